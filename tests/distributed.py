@@ -1,0 +1,77 @@
+"""Run a function on N gloo ranks in fresh processes on 127.0.0.1 and collect the results.
+
+Tests use this instead of mp.spawn so that a rank that dies or hangs fails the test with the
+rank's traceback instead of blocking: every wait has a deadline.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def shutdown_gloo() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # without it ranks may SIGABRT at exit after DTensor collectives
+        dist.destroy_process_group()
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
+           queue: Any) -> None:
+    try:
+        init_gloo(rank, world, port)
+        result = fn(rank, world, *args)
+        shutdown_gloo()
+        queue.put((rank, "ok", result))
+    except BaseException:  # DCP raises BaseException subclasses; report them all
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    """fn(rank, world, *args) on every rank; returns results by rank or raises with tracebacks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world)]
