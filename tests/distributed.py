@@ -5,6 +5,7 @@ rank's traceback instead of blocking: every wait has a deadline.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -37,13 +38,28 @@ def shutdown_gloo() -> None:
         dist.destroy_process_group()
 
 
+def _to_bytes(obj: Any) -> bytes:
+    # Tensors through a Queue travel as shared-memory handles that die with the sender.
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
            queue: Any) -> None:
     try:
         init_gloo(rank, world, port)
         result = fn(rank, world, *args)
         shutdown_gloo()
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _to_bytes(result)))
     except BaseException:  # DCP raises BaseException subclasses; report them all
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -63,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         for _ in range(world):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = _from_bytes(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break

@@ -1,0 +1,214 @@
+"""The train loop of one rank: gradient accumulation to the fixed global batch, AdamW, warmup +
+cosine LR, global grad-norm clipping over sharded grads, and honest per-rank timing.
+
+The loss of a step is the mean over every token of the global batch, whatever the layout: each
+rank backpropagates `sum of its token losses * dp / global tokens`, and every data-parallel
+implementation averages gradients over dp, which gives exactly the gradient of the global mean.
+So a run in any layout follows the single-process run step for step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from orchestrator.spec import JobSpec
+from parallel.data_parallel import local
+from parallel.layout import ParallelLayout
+from parallel.model import cross_entropy_sum
+from parallel.parallelize import ParallelModel, parallelize
+from workers.data import TokenDataLoader
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    step: int  # optimizer steps completed after this one
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # before clipping
+    lr: float
+    step_s: float  # wall time of the step
+    busy_s: float  # this rank's compute time: step time minus waits in explicit collectives
+    tokens: int  # tokens of the global batch
+    rank_tokens: int  # tokens this rank processed
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def rank_tokens_per_s(self) -> float:
+        return self.rank_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "rank_tokens_per_s": self.rank_tokens_per_s}
+
+
+def lr_at(step: int, spec: JobSpec) -> float:
+    """Linear warmup to train.lr, then cosine decay to 10% of it at train.steps."""
+    t = spec.train
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pick_device(spec: JobSpec) -> torch.device:
+    want = spec.resources.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Owns one rank's model, optimizer and data cursor; `train_step()` runs one optimizer step."""
+
+    def __init__(self, spec: JobSpec, layout: ParallelLayout, optimizer: str = "adamw",
+                 device: torch.device | None = None) -> None:
+        self.spec, self.layout = spec, layout
+        self.device = device or pick_device(spec)
+        self.mesh = layout.build_mesh(self.device.type)
+        # Params stay fp32 (master weights); low precision comes from autocast on GPUs.
+        self.pm: ParallelModel = parallelize(spec.model, layout, self.mesh, spec.train.seed,
+                                             self.device)
+        self.model = self.pm.model
+        self.optimizer = self._build_optimizer(optimizer)
+        self.loader = TokenDataLoader.from_job_spec(spec)
+        self.step = 0
+        coords = layout.coords(dist.get_rank())
+        self.dp_rank, self.dp_size = coords["dp"], layout.dp
+        self.accum = layout.accumulation_steps(spec.train.global_batch_size)
+        self.autocast_dtype = _DTYPES[spec.train.dtype] if self.device.type == "cuda" else None
+
+    def _build_optimizer(self, kind: str) -> torch.optim.Optimizer:
+        params, t = self.pm.optimizer_params(), self.spec.train
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=t.weight_decay, foreach=False)
+        if kind == "sgd":  # exact across layouts; used by parity tests on parameters
+            return torch.optim.SGD(params, lr=t.lr, foreach=False)
+        raise ValueError(f"optimizer: {kind!r} must be 'adamw' or 'sgd'")
+
+    # ---- one step --------------------------------------------------------------------------
+    def train_step(self) -> StepResult:
+        start = time.perf_counter()
+        inputs, targets = self.loader.next_batch(self.dp_rank, self.dp_size)
+        global_tokens = self.spec.train.global_batch_size * self.spec.model.seq_len
+        loss_sum, waited = self._forward_backward(inputs, targets, global_tokens)
+        t0 = time.perf_counter()
+        if self.pm.dp is not None:
+            self.pm.dp.finish_grads()
+        norm = self.clip_grads()
+        waited += time.perf_counter() - t0
+        lr = lr_at(self.step, self.spec)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        t0 = time.perf_counter()
+        if self.pm.dp is not None:
+            self.pm.dp.after_optimizer_step()
+        dist.all_reduce(loss_sum, group=self.mesh["dp"].get_group())
+        waited += time.perf_counter() - t0
+        self.step += 1
+        step_s = time.perf_counter() - start
+        return StepResult(self.step, loss_sum.item() / global_tokens, norm, lr, step_s,
+                          max(step_s - waited, 1e-9), global_tokens, inputs.numel())
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          global_tokens: int) -> tuple[torch.Tensor, float]:
+        mb = self.layout.micro_batch_size
+        scale = self.dp_size / global_tokens
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(self.accum):
+            last = i == self.accum - 1
+            self._begin_micro_batch(last)
+            x = inputs[i * mb:(i + 1) * mb].to(self.device)
+            y = targets[i * mb:(i + 1) * mb].to(self.device)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                enabled=self.autocast_dtype is not None):
+                logits = self.model(x)
+            micro_sum, _ = cross_entropy_sum(logits, y)
+            (micro_sum * scale).backward()
+            loss_sum += micro_sum.detach().double()
+        return loss_sum, 0.0
+
+    def _begin_micro_batch(self, last: bool) -> None:
+        if self.pm.dp is not None:
+            self.pm.dp.begin_micro_batch(last)
+        else:  # FSDP2: reduce-scatter only once, after the last micro-batch
+            self.model.set_requires_gradient_sync(last)
+
+    # ---- grad norm -------------------------------------------------------------------------
+    def _owned_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.pm.dp is not None:
+            return self.pm.dp.owned_grads()
+        return [(p, local(p.grad)) for p in self.model.parameters() if p.grad is not None]
+
+    def _grads_to_scale(self) -> list[torch.Tensor]:
+        if self.pm.dp is not None and self.layout.zero == 2:
+            return [g for _, g in self.pm.dp.owned_grads()]
+        return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def clip_grads(self) -> float:
+        """Global L2 norm over every rank's grads, counted once each, then clip to grad_clip.
+
+        Each rank sums the squares of the grad pieces it owns; a piece replicated over a mesh
+        dimension is weighted by 1/size of it, so one all-reduce over the world counts every
+        element exactly once, whatever mix of DP chunks, TP shards and FSDP shards there is.
+        """
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p, g in self._owned_grads():
+            total += g.double().pow(2).sum() * _replication_weight(p)
+        dist.all_reduce(total)
+        norm = total.sqrt().item()
+        clip = self.spec.train.grad_clip
+        if clip > 0:
+            coef = min(1.0, clip / (norm + 1e-6))
+            if coef < 1.0:
+                for g in self._grads_to_scale():
+                    g.mul_(coef)
+        return norm
+
+    def zero_grad(self) -> None:
+        if self.pm.dp is not None:
+            self.pm.dp.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run_step(self) -> StepResult:
+        """zero_grad + train_step: what a loop calls."""
+        self.zero_grad()
+        return self.train_step()
+
+    # ---- inspection (tests, checkpoints) ---------------------------------------------------
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a full CPU tensor keyed by its canonical name (collective)."""
+        from parallel.model import canonical_param_name
+
+        out = {}
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[canonical_param_name(name)] = full.detach().float().cpu().clone()
+        return out
+
+
+def _replication_weight(p: torch.Tensor) -> float:
+    if not isinstance(p, DTensor):
+        return 1.0
+    weight = 1.0
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            weight /= p.device_mesh.size(dim)
+    return weight
