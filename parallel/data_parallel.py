@@ -155,7 +155,7 @@ class DataParallel:
             rows = self._padded_rows(bucket).div_(self.world)
             bucket.shard_grad = torch.empty(bucket.chunk_total, dtype=rows.dtype, device=rows.device)
             bucket.buffer = rows
-            bucket.work = dist.reduce_scatter_tensor(bucket.shard_grad, rows.view(-1), group=self.group,
+            bucket.work = dist.reduce_scatter_single(bucket.shard_grad, rows.view(-1), group=self.group,
                                                      async_op=True)
         else:
             bucket.buffer = self._flat_grads(bucket).div_(self.world)
@@ -212,7 +212,7 @@ class DataParallel:
         for bucket in self.buckets:
             send = torch.cat([self._padded_chunk(p, c) for p, c in zip(bucket.params, bucket.chunks)])
             recv = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=self.group)
+            dist.all_gather_single(recv, send, group=self.group)
             rows = recv.view(self.world, -1)
             offset = 0
             for p, chunk in zip(bucket.params, bucket.chunks):

@@ -77,6 +77,7 @@ class Trainer:
     def __init__(self, spec: JobSpec, layout: ParallelLayout, optimizer: str = "adamw",
                  device: torch.device | None = None) -> None:
         self.spec, self.layout = spec, layout
+        layout.validate(spec.model, dist.get_world_size(), spec.train.global_batch_size)
         self.device = device or pick_device(spec)
         self.mesh = layout.build_mesh(self.device.type)
         # Params stay fp32 (master weights); low precision comes from autocast on GPUs.

@@ -1,0 +1,62 @@
+"""Count the collectives (and their bytes) that one step really runs.
+
+The cost model predicts per-layer TP and per-step DP traffic; this counter measures it so tests
+can compare the two. It is a TorchDispatchMode: DTensor's functional collectives
+(`_c10d_functional.*`) and explicit `torch.distributed` calls (`c10d.*`) both pass through the
+dispatcher, so one hook sees TP, SP, DP, FSDP and EP traffic alike without patching torch.
+`wait_tensor` and other bookkeeping ops are ignored.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger(__name__)
+
+_NAMESPACES = ("_c10d_functional", "c10d")
+_IGNORED = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}
+# Canonical names so functional and c10d spellings of one collective count together.
+_CANONICAL = {
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "send": "send", "recv_": "recv", "broadcast_": "broadcast", "broadcast": "broadcast",
+}
+
+
+def _input_bytes(args: Any) -> int:
+    """Bytes of the first tensor argument: what this rank contributes to the collective."""
+    for leaf in tree_flatten(args)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.numel() * leaf.element_size()
+    return 0
+
+
+@dataclass
+class CommCounter(TorchDispatchMode):
+    counts: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
+        namespace = func.namespace
+        name = func._schema.name.split("::")[-1]
+        if namespace in _NAMESPACES and name not in _IGNORED:
+            kind = _CANONICAL.get(name, name)
+            self.counts[kind] += 1
+            self.bytes[kind] += _input_bytes(args)
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {k: {"count": self.counts[k], "bytes": self.bytes[k]} for k in sorted(self.counts)}

@@ -1,0 +1,394 @@
+"""Closed-form cost model: memory per rank, communication volume and time, pipeline bubble.
+
+The planner must rank hundreds of layouts in well under a second after every failure, so every
+estimate here is a pure function of a few numbers (no torch, no process groups). Each function
+states its formula; the numbers are first-order (they ignore fragmentation, NCCL buffers and
+kernel efficiency) and are meant to rank layouts, not to predict a profiler trace.
+
+Units: bytes, seconds, FLOP/s. 1 GiB = 2**30 bytes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GIB = float(2 ** 30)
+RECOMPUTE = ("none", "selective", "full")
+
+
+def gib(nbytes: float) -> float:
+    return nbytes / GIB
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name}: {value!r} must be > 0")
+
+
+# ---- memory: model states ------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter held for weights, gradients and optimizer state."""
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+# bf16 weights + bf16 grads + fp32 (master weights, Adam m, Adam v) = 2 + 2 + 12 = 16 B/param.
+MIXED_ADAMW = StateBytes(2, 2, 12)
+# fp32 weights + fp32 grads + fp32 (m, v); no master copy needed = 4 + 4 + 8 = 16 B/param.
+FP32_ADAMW = StateBytes(4, 4, 8)
+ZERO_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    """Bytes one rank holds. `buffers` is transient working memory (e.g. ZeRO-3 gathered layers)."""
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {f"{k}_gib": round(gib(v), 3) for k, v in (
+            ("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+            ("model_states", self.model_states), ("activations", self.activations),
+            ("buffers", self.buffers), ("total", self.total))}
+
+
+def _sharded(params: float, n: int, zero: int, state: StateBytes) -> tuple[float, float, float]:
+    """ZeRO stage s shards the optimizer (s>=1), then grads (s>=2), then weights (s>=3) over n."""
+    return (state.weights * params / (n if zero >= 3 else 1),
+            state.grads * params / (n if zero >= 2 else 1),
+            state.optimizer * params / (n if zero >= 1 else 1))
+
+
+def model_state_memory(params: float, dp: int = 1, zero: int = 1, state: StateBytes = MIXED_ADAMW,
+                       *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                       expert_params: float = 0.0) -> MemoryLedger:
+    """Per-rank model-state bytes; with 16 B/param (P params, sharding degree N):
+
+    DDP 16P; ZeRO-1 4P + 12P/N; ZeRO-2 2P + 14P/N; ZeRO-3 16P/N.
+
+    Model parallelism first divides P by tp*pp (even split; the embedding/head imbalance of the
+    first/last stage is ignored). Dense params are replicated over dp*cp ranks (CP ranks hold the
+    same weights), so their sharding degree is N = dp*cp. Expert params are further divided by
+    ep, and an expert is replicated over the dp*cp/ep ranks outside its ep group, so N_e = dp*cp/ep.
+    """
+    if params < 0 or not 0 <= expert_params <= params:
+        raise ValueError(f"params: {params!r} and expert_params: {expert_params!r} need "
+                         f"0 <= expert_params <= params")
+    if zero not in ZERO_NAMES:
+        raise ValueError(f"zero: {zero!r} must be 0, 1, 2 or 3")
+    _positive(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if (dp * cp) % ep:
+        raise ValueError(f"ep: {ep} does not divide dp*cp={dp * cp}")
+    dense = _sharded((params - expert_params) / (tp * pp), dp * cp, zero, state)
+    expert = _sharded(expert_params / (tp * pp * ep), dp * cp // ep, zero, state)
+    return MemoryLedger(*(d + e for d, e in zip(dense, expert)))
+
+
+def zero_stage_ledgers(params: float, dp: int,
+                       state: StateBytes = MIXED_ADAMW) -> dict[int, MemoryLedger]:
+    """The four ZeRO stages side by side for `tenax plan memory --params-b P --world N`."""
+    return {z: model_state_memory(params, dp, z, state) for z in ZERO_NAMES}
+
+
+# ---- memory: activations -------------------------------------------------------------------
+def attention_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               cp: int = 1, dtype_bytes: float = 2, scores: bool = True) -> float:
+    """dtype*(11*s*b*h + 5*a*s^2*b) / tp (Korthikanti et al. 2022, TP with sequence parallel).
+
+    CP: each rank keeps its s/cp queries, so the linear term uses s/cp. For the score term we
+    charge 5*a*(s/cp)*s*b: the rank's queries against every key it sees over the ring — an upper
+    bound that holds for an eager ring attention; a flash kernel stores none of it, which is
+    what `scores=False` (selective recompute) models.
+    """
+    s_local = seq / cp
+    score_term = 5 * heads * s_local * seq * micro_batch if scores else 0.0
+    return dtype_bytes * (11 * s_local * micro_batch * hidden + score_term) / tp
+
+
+def mlp_activation_bytes(seq: int, micro_batch: int, hidden: int, tp: int = 1, cp: int = 1,
+                         dtype_bytes: float = 2, top_k: int = 1) -> float:
+    """dtype*19*s*b*h / tp for a SwiGLU MLP; an MoE layer runs each token through top_k experts."""
+    return dtype_bytes * 19 * (seq / cp) * micro_batch * hidden * top_k / tp
+
+
+def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           cp: int = 1, recompute: str = "none", dtype_bytes: float = 2,
+                           top_k: int = 1) -> float:
+    """Stored activations of one decoder layer for one micro-batch.
+
+    none: attention + MLP; selective: drops the 5*a*s^2*b score term (recomputed/flash);
+    full: only the layer input dtype*s*b*h / tp (s -> s/cp), the rest is recomputed.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute: {recompute!r} must be one of {RECOMPUTE}")
+    _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp, cp=cp)
+    if recompute == "full":
+        return dtype_bytes * (seq / cp) * micro_batch * hidden / tp
+    attn = attention_activation_bytes(seq, micro_batch, hidden, heads, tp, cp, dtype_bytes,
+                                      scores=recompute == "none")
+    return attn + mlp_activation_bytes(seq, micro_batch, hidden, tp, cp, dtype_bytes, top_k)
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations the first (busiest) stage holds at peak.
+
+    GPipe: all m. 1F1B and zero-bubble (ZB-H1): min(p, m). Interleaved 1F1B:
+    p*(1 + (p-1)/(p*v)) (Korthikanti et al. 2022, sec. 4.2), never more than m.
+    """
+    _positive(pp=pp, microbatches=microbatches, virtual=virtual)
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved_1f1b":
+        return min(float(microbatches), pp * (1 + (pp - 1) / (pp * virtual)))
+    return float(min(pp, microbatches))
+
+
+def stage_activation_bytes(layer_bytes: float, n_layers: int, pp: int, in_flight: float,
+                           virtual: int = 1) -> float:
+    """layers on the stage (ceil(L/(p*v))*v) * per-layer bytes * in-flight micro-batches."""
+    return math.ceil(n_layers / (pp * virtual)) * virtual * layer_bytes * in_flight
+
+
+# ---- communication -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """alpha-beta link: a message of n bytes sent in k steps takes k*alpha + n/bandwidth."""
+    alpha_s: float
+    bandwidth_Bps: float
+
+    def time(self, nbytes: float, steps: float) -> float:
+        return steps * self.alpha_s + nbytes / self.bandwidth_Bps
+
+
+# Per-GPU figures: NVLink-class bus bandwidth inside a node, one 200 Gb/s IB NIC per GPU across.
+NVLINK = Link(alpha_s=1e-6, bandwidth_Bps=150e9)
+INFINIBAND = Link(alpha_s=5e-6, bandwidth_Bps=25e9)
+
+
+@dataclass(frozen=True)
+class Network:
+    intra: Link = NVLINK
+    inter: Link = INFINIBAND
+
+    def link(self, crosses_nodes: bool) -> Link:
+        """A ring that leaves the node runs at the slowest hop: the inter-node link."""
+        return self.inter if crosses_nodes else self.intra
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"intra": vars(self.intra), "inter": vars(self.inter)}
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Bytes one rank sends (and receives) and sequential latency steps, per optimizer step."""
+    name: str
+    nbytes: float
+    steps: float
+
+    def time(self, link: Link) -> float:
+        return link.time(self.nbytes, self.steps)
+
+    def scaled(self, k: float, name: str | None = None) -> "Comm":
+        return Comm(name or self.name, self.nbytes * k, self.steps * k)
+
+    def to_dict(self, link: Link | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "bytes": self.nbytes,
+                               "gib": round(gib(self.nbytes), 4), "steps": self.steps}
+        if link is not None:
+            out["time_s"] = self.time(link)
+        return out
+
+
+def all_reduce(size: float, n: int) -> Comm:
+    """Ring all-reduce of S bytes: 2(N-1)/N*S per rank in 2(N-1) steps."""
+    _positive(n=n)
+    return Comm("all_reduce", 2 * (n - 1) / n * size, 2 * (n - 1))
+
+
+def all_gather(size: float, n: int) -> Comm:
+    """Ring all-gather of an S-byte result: (N-1)/N*S per rank in N-1 steps."""
+    _positive(n=n)
+    return Comm("all_gather", (n - 1) / n * size, n - 1)
+
+
+def reduce_scatter(size: float, n: int) -> Comm:
+    """Ring reduce-scatter of an S-byte input: (N-1)/N*S per rank in N-1 steps."""
+    return all_gather(size, n).scaled(1, "reduce_scatter")
+
+
+def all_to_all(size: float, n: int) -> Comm:
+    """Pairwise all-to-all of S bytes per rank: (N-1)/N*S leaves the rank, in N-1 steps."""
+    _positive(n=n)
+    return Comm("all_to_all", (n - 1) / n * size, n - 1)
+
+
+def tp_comm(batch: int, seq: int, hidden: int, tp: int, layers: int, dtype_bytes: float = 2,
+            recompute: str = "none") -> Comm:
+    """4 ring all-reduces per layer per step (2 forward, 2 backward) of b*s*h*dtype each.
+
+    b is the batch the rank processes per step (global batch / dp, all micro-batches). With
+    sequence parallel each all-reduce becomes all-gather + reduce-scatter: same volume. Full
+    recompute reruns the forward, adding its 2 all-reduces per layer.
+    """
+    count = 4 + (2 if recompute == "full" else 0)
+    return all_reduce(batch * seq * hidden * dtype_bytes, tp).scaled(count * layers, "tp")
+
+
+def dp_comm(grad_bytes: float, n: int, zero: int, microbatches: int = 1) -> Comm:
+    """Gradient sync of the rank's (model-parallel-sharded) gradient bytes G over N ranks.
+
+    DDP, ZeRO-1: one ring all-reduce (or reduce-scatter + all-gather), 2(N-1)/N*G per step.
+    ZeRO-2: reduce-scatter per micro-batch + param all-gather: (m+1)(N-1)/N*G.
+    ZeRO-3: param all-gather forward and backward per micro-batch + reduce-scatter:
+    (2m+1)(N-1)/N*G, i.e. 1.5x DDP at m=1. Steps count one bucketed collective each.
+    """
+    if zero not in ZERO_NAMES:
+        raise ValueError(f"zero: {zero!r} must be 0, 1, 2 or 3")
+    calls = {0: 2, 1: 2, 2: microbatches + 1, 3: 2 * microbatches + 1}[zero]
+    return all_gather(grad_bytes, n).scaled(calls, "dp")
+
+
+def pp_comm(micro_batch: int, seq: int, hidden: int, microbatches: int, dtype_bytes: float = 2,
+            tp: int = 1) -> Comm:
+    """Per stage boundary: each micro-batch sends b*s*h*dtype forward and the same backward.
+
+    With TP+SP each tp rank sends its 1/tp sequence slice. One step per message.
+    """
+    size = micro_batch * seq * hidden * dtype_bytes / tp
+    return Comm("pp", 2 * microbatches * size, 2 * microbatches)
+
+
+def ep_comm(batch: int, seq: int, hidden: int, top_k: int, ep: int, moe_layers: int,
+            dtype_bytes: float = 2) -> Comm:
+    """Per MoE layer: dispatch + combine forward and the same backward = 4 all-to-alls,
+    each of b*s*top_k*h*dtype bytes (b: the rank's batch per step)."""
+    return all_to_all(batch * seq * top_k * hidden * dtype_bytes, ep).scaled(4 * moe_layers, "ep")
+
+
+def cp_comm(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, layers: int,
+            dtype_bytes: float = 2) -> Comm:
+    """Ring attention: the local K and V block, 2*b*(s/cp)*n_kv*hd*dtype, makes cp-1 hops
+    forward; backward passes K/V again plus dK/dV, so 3(cp-1) block sends per layer in all.
+    `kv_heads` is per rank (n_kv_heads / tp)."""
+    block = 2 * batch * (seq / cp) * kv_heads * head_dim * dtype_bytes
+    return Comm("cp", 3 * (cp - 1) * block * layers, 3 * (cp - 1) * layers)
+
+
+# ---- compute and topology ----------------------------------------------------------------
+def train_flops_per_token(active_params: float, n_layers: int, hidden: int, seq: int,
+                          recompute: str = "none") -> float:
+    """6*P + 12*L*h*s FLOPs per trained token (PaLM, app. B: matmuls + attention scores, no
+    causal discount). Selective recompute reruns attention (+4Lhs), full the forward (+2P+4Lhs)."""
+    attn = n_layers * hidden * seq
+    extra = {"none": 0.0, "selective": 4 * attn, "full": 2 * active_params + 4 * attn}
+    if recompute not in extra:
+        raise ValueError(f"recompute: {recompute!r} must be one of {RECOMPUTE}")
+    return 6 * active_params + 12 * attn + extra[recompute]
+
+
+@lru_cache(maxsize=8192)
+def crossing_dims(pp: int, dp: int, cp: int, tp: int, ep: int, gpus_per_node: int
+                  ) -> dict[str, bool]:
+    """Which dims have a group spanning nodes: ParallelLayout.crosses_nodes in O(world) integer
+    steps instead of building every group (the planner asks for hundreds of layouts).
+
+    Ranks are ordered (pp, dp, cp, tp), tp fastest, packed gpus_per_node per node; a group of a
+    dim with rank stride `stride` is increasing, so it crosses iff its first and last rank sit
+    on different nodes. ep groups are runs of ep consecutive (dp, cp) positions: stride tp.
+    """
+    world, gpn = pp * dp * cp * tp, gpus_per_node
+
+    def crosses(stride: int, size: int) -> bool:
+        span = stride * (size - 1)
+        if size == 1 or world <= gpn:
+            return False
+        return span >= gpn or any(r // gpn != (r + span) // gpn for r in range(world)
+                                  if (r // stride) % size == 0)
+
+    return {"tp": crosses(1, tp), "cp": crosses(tp, cp), "dp": crosses(tp * cp, dp),
+            "pp": crosses(tp * cp * dp, pp), "ep": crosses(tp, ep)}
+
+
+# ---- pipeline bubble -----------------------------------------------------------------------
+BUBBLE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved 1F1B",
+                 "zero_bubble": "ZB1P", "dualpipe": "DualPipe"}
+
+
+@dataclass(frozen=True)
+class Bubble:
+    schedule: str
+    bubble: float
+    fraction: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "label": BUBBLE_LABELS[self.schedule],
+                "bubble": self.bubble, "fraction": self.fraction}
+
+
+def bubble_time(schedule: str, pp: int, F: float = 1.0, B: float = 2.0, W: float = 0.5,
+                FB: float = 2.0, virtual: int = 1) -> float:
+    """Idle time per step (DeepSeek-V3 Table 2); B is the whole backward, W its weight part.
+
+    GPipe, 1F1B: (p-1)(F+B); interleaved 1F1B: (p-1)(F+B)/v; ZB1P: (p-1)(F+B-2W);
+    DualPipe: (p/2-1)(F&B+B-3W), F&B = one overlapped forward+backward chunk (needs even p).
+    Negative values (W too large for the formula) are clamped to 0.
+    """
+    _positive(pp=pp, F=F, B=B, FB=FB, virtual=virtual)
+    if not 0 <= W <= B:
+        raise ValueError(f"W: {W!r} must lie in [0, B={B}] (it is part of the backward)")
+    if schedule in ("gpipe", "1f1b"):
+        out = (pp - 1) * (F + B)
+    elif schedule == "interleaved_1f1b":
+        out = (pp - 1) * (F + B) / virtual
+    elif schedule == "zero_bubble":
+        out = (pp - 1) * (F + B - 2 * W)
+    elif schedule == "dualpipe":
+        if pp % 2:
+            raise ValueError(f"dualpipe needs an even pp, got {pp}")
+        out = (pp / 2 - 1) * (FB + B - 3 * W)
+    else:
+        raise ValueError(f"schedule: {schedule!r} must be one of {tuple(BUBBLE_LABELS)}")
+    return max(0.0, out)
+
+
+def bubble_fraction(bubble: float, microbatches: int, F: float = 1.0, B: float = 2.0) -> float:
+    """bubble / (m(F+B) + bubble): the share of a step the stage sits idle."""
+    _positive(microbatches=microbatches)
+    return bubble / (microbatches * (F + B) + bubble)
+
+
+def bubble_table(pp: int, microbatches: int, virtual: int = 1, F: float = 1.0, B: float = 2.0,
+                 W: float = 0.5, FB: float = 2.0) -> dict[str, Bubble]:
+    """Every schedule for `tenax plan bubble`; DualPipe only when pp is even."""
+    out = {}
+    for schedule in BUBBLE_LABELS:
+        if schedule == "dualpipe" and pp % 2:
+            continue
+        t = bubble_time(schedule, pp, F, B, W, FB, virtual)
+        out[schedule] = Bubble(schedule, t, bubble_fraction(t, microbatches, F, B))
+    return out

@@ -1,0 +1,400 @@
+"""Choose a ParallelLayout for the GPUs at hand, and say why.
+
+The controller re-plans after every failure ("best layout for 6 GPUs"), so this is a fast search
+over divisors of the GPU count, pruned with the closed-form cost model. The recipe:
+1. fit: model states + activations + buffers <= gpu_mem * (1 - margin), with per layout the
+   cheapest activation recompute that fits (none, then selective, then full);
+2. meet the global batch: dp * micro_batch divides it, micro_batch <= 8 (bigger ones buy little
+   GPU efficiency for their activation memory), and with pp > 1 at least 4*pp micro-batches;
+3. lowest estimated step time: compute + TP comm (critical path) + DP comm not hidden behind
+   compute (DP_OVERLAP of it at most) + PP p2p + EP all-to-all + CP ring (exposed: conservative)
+   + bubble; a dimension whose groups cross nodes is timed on the inter-node link.
+Rules: tp stays in a node (tp <= gpus_per_node, dividing it). DP/ZeRO is preferred over PP:
+pipelines are searched only when no pp=1 layout fits (stage imbalance and p2p jitter are not
+modelled). Near-ties (4 significant digits) go to smaller pp/tp/cp/ep, then ZeRO-1, 2, 0, 3.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
+                                 bubble_time, cp_comm, crossing_dims, dp_comm, ep_comm, gib,
+                                 in_flight_microbatches, layer_activation_bytes,
+                                 model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
+                                 train_flops_per_token)
+from parallel.layout import LayoutError, ParallelLayout
+
+if TYPE_CHECKING:
+    from orchestrator.spec import JobSpec, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+H100_BF16_PEAK = 989e12     # dense bf16 FLOP/s of one H100 SXM
+MAX_MICRO_BATCH = 8
+MIN_CP_CHUNK = 1024         # free cp only when each rank keeps >= this many tokens of a sequence
+MAX_VIRTUAL = 4             # interleaved stages tried: 2..4 (more mostly adds p2p)
+DP_OVERLAP = 0.8            # share of DP comm that can hide behind compute (not the last bucket)
+ZERO_PREFERENCE = (1, 2, 0, 3)
+NEAR_MISS = 1.5             # a faster layout that needs up to 1.5x the budget is worth showing
+FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
+_PART_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "dp_comm_s": "exposed DP comm",
+                "pp_comm_s": "PP p2p", "ep_comm_s": "EP all-to-all", "cp_comm_s": "CP ring",
+                "bubble_s": "pipeline bubble"}
+
+
+class PlanError(ValueError):
+    """No layout can run this model on these GPUs; the message says what was closest."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    tp_comm_s: float = 0.0
+    dp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(vars(self).values())
+
+    def to_dict(self) -> dict[str, float]:
+        return {**vars(self), "total_s": self.total_s}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: ParallelLayout
+    recompute: str
+    microbatches: int
+    memory: MemoryLedger
+    time: StepTime
+    budget_bytes: float
+    tokens_per_step: int
+    reason: str = ""                # why it was chosen, or why it lost to the chosen one
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.budget_bytes
+
+    def key(self) -> tuple[Any, ...]:
+        lay = self.layout
+        return (float(f"{self.time.total_s:.4g}"), lay.pp, lay.tp, lay.cp, lay.ep,
+                ZERO_PREFERENCE.index(lay.zero), -lay.micro_batch_size, lay.pp_virtual_stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        total = self.time.total_s
+        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
+                "recompute": self.recompute, "microbatches": self.microbatches,
+                "fits": self.fits, "memory": self.memory.to_dict(),
+                "step_time": self.time.to_dict(),
+                "bubble_fraction": self.time.bubble_s / total if total else 0.0,
+                "tokens_per_s": self.tokens_per_step / total if total else 0.0,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    best: Estimate
+    runners_up: list[Estimate]
+    rejected: dict[str, int]        # candidates dropped, by rule
+    considered: int                 # candidates estimated
+    request: dict[str, Any]         # gpus, gpus_per_node, global_batch_size, seq_len, fixed
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.best.layout
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.request, "memory_budget_gib": round(gib(self.best.budget_bytes), 3),
+                "layout": self.layout.to_dict(), "recompute": self.best.recompute,
+                "reason": self.best.reason, "estimate": self.best.to_dict(),
+                "runners_up": [r.to_dict() for r in self.runners_up],
+                "rejected": dict(self.rejected), "considered": self.considered}
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    model: "ModelSpec"
+    gpus: int
+    gpn: int
+    gbs: int
+    budget: float
+    network: Network
+    flops_per_s: float          # sustained, all GPUs together
+    state: StateBytes
+    dtype_bytes: float
+    max_micro_batch: int
+    fixed: dict[str, Any] = field(default_factory=dict)
+    params: int = 0             # model counts, cached: the search asks for them thousands of times
+    active: int = 0
+    experts: int = 0
+    top_k: int = 1
+
+    def choices(self, name: str, free: Sequence[Any]) -> Sequence[Any]:
+        return [self.fixed[name]] if name in self.fixed else free
+
+
+# ---- enumeration -------------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _template(problem: str) -> str:  # aggregate rejections that differ only in numbers
+    return "invalid: " + re.sub(r"\d+", "N", problem)
+
+
+def _degree_tuples(ctx: _Ctx, rejected: Counter) -> Iterator[tuple[int, int, int, int]]:
+    m, g = ctx.model, ctx.gpus
+    in_node = {d for d in _divisors(g) if d <= ctx.gpn and (ctx.gpn % d == 0 or g <= ctx.gpn)}
+    for tp in ctx.choices("tp", sorted(in_node)):
+        if tp not in in_node:  # a tp group must not straddle nodes: it is the chattiest dim
+            rejected[f"tp={tp} must divide {g} GPUs and stay inside a {ctx.gpn}-GPU node"] += 1
+            continue
+        for pp in ctx.choices("pp", [d for d in _divisors(g // tp) if d <= m.n_layers]):
+            for cp in ctx.choices("cp", [d for d in _divisors(g // tp // pp) if d == 1 or (
+                    m.seq_len % (2 * d) == 0 and m.seq_len // d >= MIN_CP_CHUNK)]):
+                dp = g // (tp * pp * cp)
+                if dp * tp * pp * cp == g and ctx.fixed.get("dp", dp) == dp:
+                    yield tp, pp, cp, dp
+
+
+def _variants(ctx: _Ctx, dp: int, pp: int, cp: int) -> Iterator[tuple[int, str, int]]:
+    """(ep, schedule, virtual stages); ep only for MoE, schedules only when pipelined."""
+    moe, fixed = ctx.model.moe, ctx.fixed
+    eps = ctx.choices("ep", [1] if moe is None else _divisors(math.gcd(dp * cp, moe.num_experts)))
+    schedules = [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual_stages", 1))]
+    if pp > 1 and "pp_schedule" not in fixed and "pp_virtual_stages" not in fixed:
+        schedules = [("1f1b", 1), ("zero_bubble", 1)] + [("interleaved_1f1b", v) for v in range(
+            2, MAX_VIRTUAL + 1) if pp * v <= ctx.model.n_layers]
+    return ((ep, sched, v) for ep in eps for sched, v in schedules)
+
+
+def _search(ctx: _Ctx) -> tuple[list[Estimate], Counter]:
+    rejected, found = Counter(), []  # type: tuple[Counter, list[Estimate]]
+    for pipelined in (False, True):  # pipelines only when no pp=1 layout fits: DP/ZeRO first
+        if any(e.fits for e in found):
+            break
+        for tp, pp, cp, dp in _degree_tuples(ctx, rejected):
+            if (pp > 1) != pipelined:
+                continue
+            for ep, schedule, v in _variants(ctx, dp, pp, cp):
+                _expand(ctx, (dp, tp, pp, cp, ep), schedule, v, found, rejected)
+    return found, rejected
+
+
+def _expand(ctx: _Ctx, degrees: tuple[int, ...], schedule: str, v: int, found: list[Estimate],
+            rejected: Counter) -> None:
+    """Zero stages x micro-batches of one set of degrees. A larger micro-batch only needs more
+    memory and leaves fewer micro-batches, so the first failure of either ends the sweep."""
+    try:
+        problems = ParallelLayout(*degrees, 1, 1, schedule, v).problems(ctx.model, ctx.gpus)
+    except LayoutError as err:
+        problems = [str(err)]
+    if problems:
+        rejected[_template(problems[0])] += 1
+        return
+    dp, pp = degrees[0], degrees[2]
+    per_dp = ctx.gbs // dp if ctx.gbs % dp == 0 else 0
+    free_mbs = [d for d in _divisors(per_dp) if d <= ctx.max_micro_batch] if per_dp else [1]
+    for zero in ctx.choices("zero", ZERO_PREFERENCE):
+        for mbs in ctx.choices("micro_batch_size", free_mbs):
+            lay = ParallelLayout(*degrees, zero, mbs, schedule, v)
+            problems = lay.batch_problems(ctx.gbs)
+            if problems:
+                rejected[_template(problems[0])] += 1
+                continue
+            m = ctx.gbs // (dp * mbs)
+            if pp > 1 and m < 4 * pp:
+                rejected["too few micro-batches: m < 4*pp"] += 1
+                break
+            if schedule == "interleaved_1f1b" and m % pp:
+                rejected["interleaved_1f1b needs m divisible by pp"] += 1
+                continue
+            est = _estimate(ctx, lay, m)
+            found.append(est)
+            if not est.fits:
+                rejected["does not fit in memory"] += 1
+                break
+
+
+# ---- estimates ---------------------------------------------------------------------------------
+def _memory(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str,
+            states: MemoryLedger) -> MemoryLedger:
+    model = ctx.model
+    args = (model.seq_len, lay.micro_batch_size, model.dim, model.n_heads, lay.tp, lay.cp)
+    layer = layer_activation_bytes(*args, recompute, ctx.dtype_bytes, ctx.top_k)
+    in_flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)
+    acts = stage_activation_bytes(layer, model.n_layers, lay.pp, in_flight, lay.pp_virtual_stages)
+    if recompute == "full":  # the layer being recomputed is live in full (flash-style attention)
+        acts += layer_activation_bytes(*args, "selective", ctx.dtype_bytes, ctx.top_k)
+    # fp32 logits of one micro-batch on the last stage (charged to every stage: conservative)
+    acts += 4 * lay.micro_batch_size * (model.seq_len / lay.cp) * model.vocab_size / lay.tp
+    buffers = 0.0
+    if lay.zero == 3:  # the current and the prefetched layer are gathered in full
+        per_layer = (ctx.params - ctx.experts * (1 - 1 / lay.ep)) / model.n_layers
+        buffers = 2 * per_layer / lay.tp * ctx.state.weights
+    return MemoryLedger(states.params, states.grads, states.optimizer, acts, buffers)
+
+
+def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTime:
+    model, net, dt = ctx.model, ctx.network, ctx.dtype_bytes
+    cross = crossing_dims(lay.pp, lay.dp, lay.cp, lay.tp, lay.ep, ctx.gpn)
+    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len, recompute)
+    compute = flops * ctx.gbs * model.seq_len / ctx.flops_per_s
+    b, s_local = ctx.gbs // lay.dp, model.seq_len / lay.cp
+    layers, experts = math.ceil(model.n_layers / lay.pp), ctx.experts
+    t = {**dict.fromkeys(_PART_LABELS, 0.0), "compute_s": compute}
+    if lay.tp > 1:
+        comm = tp_comm(b, s_local, model.dim, lay.tp, layers, dt, recompute)
+        t["tp_comm_s"] = comm.time(net.link(cross["tp"]))
+    dp_link = net.link(cross["dp"] or cross["cp"])
+    dense_grads = (ctx.params - experts) / (lay.tp * lay.pp) * ctx.state.grads
+    raw = dp_comm(dense_grads, lay.dp * lay.cp, lay.zero, m).time(dp_link)
+    if experts:
+        expert_grads = experts / (lay.tp * lay.pp * lay.ep) * ctx.state.grads
+        raw += dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m).time(dp_link)
+    t["dp_comm_s"] = raw - min(DP_OVERLAP * raw, compute)
+    if lay.pp > 1:
+        comm = pp_comm(lay.micro_batch_size, s_local, model.dim, m, dt, lay.tp)
+        t["pp_comm_s"] = comm.scaled(lay.pp_virtual_stages).time(net.link(cross["pp"]))
+        mb = compute / m  # F : B : W = 1 : 2 : 0.5, as in the bubble defaults
+        t["bubble_s"] = bubble_time(lay.pp_schedule, lay.pp, mb / 3, 2 * mb / 3, mb / 6,
+                                    2 * mb / 3, lay.pp_virtual_stages)
+    if lay.ep > 1 and model.moe is not None:
+        comm = ep_comm(b, s_local, model.dim, model.moe.top_k, lay.ep, layers, dt)
+        t["ep_comm_s"] = comm.time(net.link(cross["ep"]))
+    if lay.cp > 1:
+        comm = cp_comm(b, model.seq_len, model.n_kv_heads // lay.tp, model.head_dim, lay.cp,
+                       layers, dt)
+        t["cp_comm_s"] = comm.time(net.link(cross["cp"]))
+    return StepTime(**t)
+
+
+def _estimate(ctx: _Ctx, lay: ParallelLayout, m: int) -> Estimate:
+    """The cheapest recompute that fits; full recompute (the smallest need) when none does."""
+    states = model_state_memory(ctx.params, lay.dp, lay.zero, ctx.state, tp=lay.tp, pp=lay.pp,
+                                cp=lay.cp, ep=lay.ep, expert_params=ctx.experts)
+    recompute, memory = "full", _memory(ctx, lay, m, "full", states)
+    if memory.total <= ctx.budget:  # otherwise nothing lighter can fit either
+        for level in ("none", "selective"):
+            candidate = _memory(ctx, lay, m, level, states)
+            if candidate.total <= ctx.budget:
+                recompute, memory = level, candidate
+                break
+    return Estimate(lay, recompute, m, memory, _step_time(ctx, lay, m, recompute), ctx.budget,
+                    ctx.gbs * ctx.model.seq_len)
+
+
+# ---- choice and explanation --------------------------------------------------------------------
+def _why_lost(e: Estimate, best: Estimate) -> str:
+    if not e.fits:
+        return f"does not fit: {gib(e.memory.total):.1f} GiB > {gib(e.budget_bytes):.1f} GiB"
+    if e.key()[0] == best.key()[0]:
+        return (f"tie at {best.time.total_s:.4g} s; tie-break prefers smaller pp/tp/cp/ep, "
+                f"then ZeRO-1, 2, 0, 3, then the larger micro-batch")
+    mine, theirs = vars(e.time), vars(best.time)
+    part = max(mine, key=lambda k: mine[k] - theirs[k])  # the cause that grew the most
+    label = _PART_LABELS[part] + (f", recompute={e.recompute}" if part == "compute_s" else "")
+    return f"slower: {e.time.total_s:.4g} s vs {best.time.total_s:.4g} s (more {label})"
+
+
+def _choose(found: list[Estimate]) -> tuple[Estimate, list[Estimate]]:
+    per_layout: dict[tuple[ParallelLayout, bool], Estimate] = {}
+    for e in sorted(found, key=Estimate.key):  # per set of degrees: best fitting, best not fitting
+        per_layout.setdefault((replace(e.layout, micro_batch_size=1, zero=1), e.fits), e)
+    ranked = list(per_layout.values())
+    fitting = [e for e in ranked if e.fits]
+    best = fitting[0]
+    near_misses = [e for e in ranked if not e.fits and e.time.total_s < best.time.total_s
+                   and e.memory.total <= NEAR_MISS * e.budget_bytes][:2]
+    others = sorted(fitting[1:5] + near_misses, key=Estimate.key)
+    return best, [replace(e, reason=_why_lost(e, best)) for e in others]
+
+
+def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanError:
+    head = (f"no layout of {ctx.gpus} GPUs ({ctx.gpn} per node) fits a {ctx.params / 1e9:.3g}B-"
+            f"parameter model in {gib(ctx.budget):.1f} GiB per GPU")
+    why = ("; ".join(f"{k}: {v}" for k, v in rejected.most_common())
+           or f"the pinned degrees cannot multiply to {ctx.gpus}")
+    if not found:
+        return PlanError(f"{head}: no valid layout ({why}); fixed: {ctx.fixed}")
+    small = min(found, key=lambda e: e.memory.total)
+    return PlanError(f"{head}: the smallest need found is {gib(small.memory.total):.1f} GiB "
+                     f"({small.layout.describe()}, micro_batch {small.layout.micro_batch_size}, "
+                     f"recompute={small.recompute}); add GPUs or memory. Rejected: {why}")
+
+
+def plan_layout(model: "ModelSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
+                global_batch_size: int | None = None, seq_len: int | None = None,
+                network: Network = Network(), mfu: float = 0.4,
+                peak_flops: float = H100_BF16_PEAK, margin: float = 0.1,
+                fixed: Mapping[str, Any] | None = None, state: StateBytes = MIXED_ADAMW,
+                dtype_bytes: float = 2, max_micro_batch: int = MAX_MICRO_BATCH) -> PlanResult:
+    """The fastest layout of `gpus` GPUs that fits; `fixed` pins any of FIXABLE ("auto" = free).
+    global_batch_size defaults to 4 sequences per GPU (8 -> 32, 512 -> 2048), seq_len to the
+    model's. Raises PlanError when nothing fits, naming the smallest memory need found."""
+    pinned = {k: v for k, v in (fixed or {}).items() if v != "auto"}
+    ints = {k: v for k, v in dict(pinned, gpus=gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
+            global_batch_size=global_batch_size, max_micro_batch=max_micro_batch).items()
+            if v is not None and k not in ("zero", "pp_schedule")}
+    bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    unknown = sorted(set(pinned) - set(FIXABLE))
+    if bad or unknown or pinned.get("zero", 1) not in ZERO_PREFERENCE:
+        raise PlanError(f"need positive integers (bad: {bad}), fixed keys among {FIXABLE} "
+                        f"(unknown: {unknown}) and zero in 0..3 (got {pinned.get('zero', 1)!r})")
+    if not (gpu_mem_gib > 0 and 0 <= margin < 1 and 0 < mfu <= 1 and peak_flops > 0):
+        raise PlanError(f"need gpu_mem_gib > 0, 0 <= margin < 1, 0 < mfu <= 1, peak_flops > 0; "
+                        f"got {gpu_mem_gib}, {margin}, {mfu}, {peak_flops}")
+    if seq_len is not None and seq_len != model.seq_len:
+        model = model.model_copy(update={"seq_len": seq_len})
+    ctx = _Ctx(model, gpus, gpus_per_node, global_batch_size or 4 * gpus,
+               gpu_mem_gib * 2 ** 30 * (1 - margin), network, gpus * peak_flops * mfu, state,
+               dtype_bytes, max_micro_batch, pinned, model.num_params(),
+               model.num_params(active=True), model.expert_params(),
+               model.moe.top_k if model.moe else 1)
+    found, rejected = _search(ctx)
+    if not any(e.fits for e in found):
+        err = _no_fit_error(ctx, found, rejected)
+        logger.warning("plan failed: %s", err)
+        raise err
+    best, runners_up = _choose(found)
+    best = replace(best, reason=f"fastest that fits: {best.time.total_s:.4g} s/step, "
+                   f"{gib(best.memory.total):.1f} of {gib(ctx.budget):.1f} GiB, recompute="
+                   f"{best.recompute} ({sum(e.fits for e in found)} of {len(found)} fit)")
+    logger.info("plan for %d GPUs (%d/node): %s %s; %s", gpus, gpus_per_node,
+                best.layout.describe(), best.layout.to_dict(), best.reason)
+    request = {"gpus": gpus, "gpus_per_node": gpus_per_node, "global_batch_size": ctx.gbs,
+               "seq_len": ctx.model.seq_len, "fixed": ctx.fixed}
+    return PlanResult(best, runners_up, dict(rejected), len(found), request)
+
+
+def plan_for_spec(spec: "JobSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
+                  **options: Any) -> PlanResult:
+    """plan_layout honoring the spec: every degree that is not "auto" is pinned, and so are
+    micro_batch_size, seq_len and the global batch. The ZeRO stage is free only while dp is
+    "auto" (a user who fixes dp has sized the replicas, so their zero stays); the schedule and
+    virtual stages are free only while pp is "auto". train.dtype float32 plans fp32 AdamW
+    (4+4+8 B/param, 4-byte activations), otherwise bf16 mixed precision."""
+    p = spec.parallel
+    fixed: dict[str, Any] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep")
+                             if getattr(p, k) != "auto"}
+    if p.dp != "auto":
+        fixed["zero"] = p.zero
+    if p.pp != "auto":
+        fixed.update(pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages)
+    fixed["micro_batch_size"] = p.micro_batch_size
+    fp32 = spec.train.dtype == "float32"
+    options.setdefault("state", FP32_ADAMW if fp32 else MIXED_ADAMW)
+    options.setdefault("dtype_bytes", 4 if fp32 else 2)
+    return plan_layout(spec.model, gpus, gpus_per_node, gpu_mem_gib, spec.train.global_batch_size,
+                       spec.model.seq_len, fixed=fixed, **options)

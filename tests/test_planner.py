@@ -1,0 +1,216 @@
+"""The planner's contract: whatever it returns is a valid layout that fits, respects the rules
+(tp inside a node, pinned degrees, m >= 4p with pipelines) and explains itself; when nothing
+fits it says how close it came. Timing is printed, never asserted."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.presets import PRESETS
+from orchestrator.spec import JobSpec, ModelSpec
+from parallel.planner import PlanError, PlanResult, plan_for_spec, plan_layout
+
+REASON = re.compile(r"^(slower: .+ s vs .+ s \(more .+\)|does not fit: [\d.]+ GiB > [\d.]+ GiB|"
+                    r"tie at .+)$")
+
+
+def preset(name: str) -> ModelSpec:
+    return ModelSpec(**PRESETS[name])
+
+
+def check_plan(result: PlanResult, model: ModelSpec, gpus: int, gpus_per_node: int) -> None:
+    """Invariants every returned plan must hold."""
+    lay, best = result.layout, result.best
+    gbs = result.request["global_batch_size"]
+    seq_model = model.model_copy(update={"seq_len": result.request["seq_len"]})
+    assert lay.problems(seq_model, gpus, gbs) == []
+    assert best.fits and best.memory.total <= best.budget_bytes
+    assert lay.tp <= gpus_per_node
+    assert not lay.crosses_nodes("tp", gpus_per_node)
+    assert best.microbatches == gbs // (lay.dp * lay.micro_batch_size)
+    if lay.pp > 1:
+        assert best.microbatches >= 4 * lay.pp
+    for runner in result.runners_up:
+        assert REASON.match(runner.reason), runner.reason
+    json.dumps(result.to_dict())
+
+
+def test_llama3_8b_on_one_node_uses_data_parallel_sharding() -> None:
+    model = preset("llama3-8b")
+    result = plan_layout(model, 8, 8, global_batch_size=32, seq_len=8192)
+    check_plan(result, model, 8, 8)
+    assert result.layout.pp == 1 and result.layout.tp <= 2
+    assert result.request["global_batch_size"] == 32
+
+
+def test_llama3_70b_keeps_tp_inside_a_node() -> None:
+    model = preset("llama3-70b")
+    result = plan_layout(model, 64, 8)
+    check_plan(result, model, 64, 8)
+    assert not result.layout.crosses_nodes("tp", 8)
+
+
+def test_llama3_405b_on_512_gpus_needs_sharding_or_pipelining() -> None:
+    model = preset("llama3-405b")
+    start = time.perf_counter()
+    result = plan_layout(model, 512, 8)
+    elapsed = time.perf_counter() - start
+    print(f"\n405b on 512 GPUs planned in {elapsed:.3f} s: {result.layout.describe()}")
+    check_plan(result, model, 512, 8)
+    assert result.layout.pp > 1 or result.layout.zero == 3
+
+
+def test_405b_with_zero1_pinned_falls_back_to_pipelines() -> None:
+    model = preset("llama3-405b")
+    start = time.perf_counter()
+    result = plan_layout(model, 512, 8, fixed={"zero": 1})
+    print(f"\n405b/512 with pipelines searched: {time.perf_counter() - start:.3f} s")
+    check_plan(result, model, 512, 8)
+    assert result.layout.zero == 1 and result.layout.pp > 1
+
+
+def test_tiny_model_on_four_cpu_ranks_is_pure_data_parallel() -> None:
+    model = ModelSpec()
+    result = plan_layout(model, 4, 4, global_batch_size=32)
+    check_plan(result, model, 4, 4)
+    assert result.layout.degrees() == {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}
+
+
+def test_default_spec_on_two_nodes_of_two() -> None:
+    spec = JobSpec()
+    result = plan_for_spec(spec, 4, 2)
+    check_plan(result, spec.model, 4, 2)
+    assert result.layout.dp == 4 and result.layout.micro_batch_size == 2
+
+
+def test_six_gpus_after_a_failure() -> None:
+    model = ModelSpec()
+    result = plan_layout(model, 6, 2, global_batch_size=24)
+    check_plan(result, model, 6, 2)
+    assert result.layout.world_size == 6
+    # 32 sequences cannot split 6 ways: the planner must find another factorisation
+    result = plan_layout(model, 6, 2, global_batch_size=32)
+    check_plan(result, model, 6, 2)
+    assert 32 % (result.layout.dp * result.layout.micro_batch_size) == 0
+
+
+def test_six_gpus_with_a_spec_that_pins_everything_but_dp_fails_clearly() -> None:
+    with pytest.raises(PlanError, match="global_batch_size"):
+        plan_for_spec(JobSpec(), 6, 2)
+
+
+def test_pinned_degrees_are_honored() -> None:
+    model = preset("llama3-8b")
+    result = plan_layout(model, 16, 8, fixed={"tp": 2, "zero": 3, "dp": "auto"})
+    check_plan(result, model, 16, 8)
+    assert result.layout.tp == 2 and result.layout.zero == 3
+    spec = JobSpec.model_validate({"model": PRESETS["llama3-8b"],
+                                   "parallel": {"tp": 4, "dp": 2, "zero": 2,
+                                                "micro_batch_size": 1},
+                                   "train": {"global_batch_size": 16, "dtype": "bfloat16"}})
+    result = plan_for_spec(spec, 8, 8)
+    assert result.layout.degrees() == {"dp": 2, "tp": 4, "pp": 1, "cp": 1, "ep": 1, "zero": 2}
+
+
+def test_spec_zero_is_free_while_dp_is_auto() -> None:
+    spec = JobSpec.model_validate({"model": PRESETS["llama3-8b"],
+                                   "parallel": {"zero": 0, "micro_batch_size": 1},
+                                   "train": {"global_batch_size": 32, "dtype": "bfloat16"}})
+    assert spec.parallel.dp == "auto"
+    result = plan_for_spec(spec, 8, 8)
+    assert result.layout.zero != 0  # DDP's 16 B/param of an 8B model cannot fit in 80 GB
+    assert "zero" not in result.request["fixed"]
+
+
+def test_pinned_pipeline_keeps_four_micro_batches_per_stage() -> None:
+    model = ModelSpec()
+    result = plan_layout(model, 8, 8, global_batch_size=32, fixed={"pp": 4})
+    check_plan(result, model, 8, 8)
+    assert result.layout.pp == 4 and result.best.microbatches >= 16
+    with pytest.raises(PlanError, match="m < 4\\*pp"):
+        plan_layout(model, 8, 8, global_batch_size=8, fixed={"pp": 4})
+
+
+def test_nothing_fits_names_the_smallest_need() -> None:
+    with pytest.raises(PlanError, match=r"smallest need found is [\d.]+ GiB") as err:
+        plan_layout(preset("llama3-405b"), 8, 8)
+    assert "72.0 GiB per GPU" in str(err.value) and "406B-parameter" in str(err.value)
+
+
+def test_no_valid_layout_and_bad_arguments_are_clear() -> None:
+    with pytest.raises(PlanError, match="tp=N does not divide model.n_heads"):
+        plan_layout(ModelSpec(), 3, 4, fixed={"tp": 3})
+    with pytest.raises(PlanError, match="tp=4 must divide 8 GPUs and stay inside a 2-GPU node"):
+        plan_layout(ModelSpec(), 8, 2, fixed={"tp": 4})
+    with pytest.raises(PlanError, match="cannot multiply to 2"):
+        plan_layout(ModelSpec(), 2, 2, fixed={"tp": 2, "cp": 2})
+    with pytest.raises(PlanError, match="unknown: \\['tpp'\\]"):
+        plan_layout(ModelSpec(), 4, 4, fixed={"tpp": 2})
+    with pytest.raises(PlanError, match="'gpus': 0"):
+        plan_layout(ModelSpec(), 0, 4)
+
+
+def test_runners_up_explain_why_they_lost() -> None:
+    model = preset("llama3-70b")
+    result = plan_layout(model, 64, 8)
+    assert result.runners_up
+    for runner in result.runners_up:
+        assert REASON.match(runner.reason), runner.reason
+        if runner.fits:
+            assert runner.time.total_s >= result.best.time.total_s * (1 - 1e-3)
+    out = result.to_dict()
+    assert all(r["reason"] for r in out["runners_up"])
+    assert 0 <= out["estimate"]["bubble_fraction"] <= 1
+    assert out["estimate"]["memory"]["total_gib"] <= out["memory_budget_gib"]
+    assert all(isinstance(v, int) for v in out["rejected"].values())
+
+
+def test_rejections_are_counted_by_reason() -> None:
+    result = plan_layout(preset("llama3-8b"), 8, 8, global_batch_size=32, gpu_mem_gib=40)
+    assert result.rejected.get("does not fit in memory", 0) > 0
+    assert result.considered >= 1
+
+
+def test_plans_are_deterministic() -> None:
+    model = preset("llama3-70b")
+    assert plan_layout(model, 32, 8).to_dict() == plan_layout(model, 32, 8).to_dict()
+
+
+def test_moe_model_may_use_expert_parallelism() -> None:
+    model = ModelSpec(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256,
+                      ffn_hidden=1024, moe={"num_experts": 8, "top_k": 2})
+    result = plan_layout(model, 8, 4, global_batch_size=32)
+    check_plan(result, model, 8, 4)
+    assert 8 % result.layout.ep == 0
+
+
+@st.composite
+def small_models(draw: st.DrawFn) -> ModelSpec:
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0]))
+    head_dim = draw(st.sampled_from([2, 8, 16]))
+    moe = draw(st.none() | st.builds(lambda e, k: {"num_experts": e, "top_k": min(k, e)},
+                                     st.sampled_from([2, 4, 8]), st.integers(1, 2)))
+    return ModelSpec(dim=heads * head_dim, n_layers=draw(st.integers(1, 8)), n_heads=heads,
+                     n_kv_heads=kv, vocab_size=draw(st.integers(2, 300)),
+                     seq_len=draw(st.sampled_from([8, 16, 64, 128])),
+                     ffn_hidden=draw(st.integers(1, 64)), moe=moe)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=small_models(), gpus=st.integers(1, 12), gpn=st.sampled_from([1, 2, 3, 4, 6, 8]),
+       gbs=st.sampled_from([1, 2, 6, 8, 12, 24, 32, 64]),
+       mem=st.sampled_from([0.0001, 0.01, 80.0]))
+def test_any_returned_layout_is_valid(model: ModelSpec, gpus: int, gpn: int, gbs: int,
+                                      mem: float) -> None:
+    try:
+        result = plan_layout(model, gpus, gpn, gpu_mem_gib=mem, global_batch_size=gbs)
+    except PlanError as err:
+        assert str(err).startswith(f"no layout of {gpus} GPUs")
+        return
+    check_plan(result, model, gpus, gpn)

@@ -1,0 +1,178 @@
+"""Launch a job on local gloo ranks without Ray, for tests and debugging.
+
+    python -m workers.launch JOB.yaml --nproc 4 [--set KEY=VALUE ...] [--log-json PATH]
+
+`run_rank` is the per-rank entry point that `tenax run` reuses inside its Ray workers: join a
+process group, build the trainer for the layout, run steps, report each one. The launcher here
+only spawns processes on 127.0.0.1 and fails fast: when any rank dies, the others are killed at
+once instead of waiting out a collective timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def join_process_group(rank: int, world: int, addr: str, port: int, timeout_s: float,
+                       backend: str = "gloo") -> None:
+    import torch.distributed as dist
+
+    if addr in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # without it ranks may abort at exit after DTensor collectives
+        dist.destroy_process_group()
+
+
+def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, world: int,
+             addr: str, port: int, on_step: Callable[[dict[str, Any]], None] | None = None,
+             steps: int | None = None) -> dict[str, Any]:
+    """Train `steps` (default train.steps) on this rank; returns the last step's record."""
+    import torch
+
+    from orchestrator.spec import spec_from_dict
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    torch.set_num_threads(1)
+    spec = spec_from_dict(spec_dict)
+    layout = ParallelLayout.from_dict(layout_dict)
+    join_process_group(rank, world, addr, port, spec.fault_tolerance.hang_timeout_s,
+                       "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo")
+    try:
+        trainer = Trainer(spec, layout)
+        record: dict[str, Any] = {}
+        for _ in range(steps or spec.train.steps):
+            result = trainer.run_step()
+            record = {"event": "step", "step": result.step, "loss": result.loss,
+                      "tokens_per_s": result.tokens_per_s, "world_size": world,
+                      "layout": layout.degrees(), "rank": rank,
+                      "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
+                      "lr": result.lr, "step_s": result.step_s}
+            if on_step is not None:
+                on_step(record)
+        return record
+    finally:
+        leave_process_group()
+
+
+def _rank_process(spec_dict: dict, layout_dict: dict, rank: int, world: int, port: int,
+                  queue: Any) -> None:
+    def report(record: dict[str, Any]) -> None:
+        if rank == 0:
+            queue.put(record)
+
+    try:
+        run_rank(spec_dict, layout_dict, rank, world, "127.0.0.1", port, report)
+        queue.put({"event": "rank_done", "rank": rank})
+    except BaseException as err:  # report every failure with its cause, DCP errors included
+        queue.put({"event": "failure", "rank": rank, "cause": f"{type(err).__name__}: {err}"})
+        raise
+
+
+def launch(spec_dict: dict[str, Any], layout_dict: dict[str, Any], nproc: int,
+           on_event: Callable[[dict[str, Any]], None], timeout_s: float) -> bool:
+    """Spawn `nproc` ranks; True when every rank finished. Kills all ranks on the first failure."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_process, args=(spec_dict, layout_dict, r, nproc, port, queue))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    done, ok, deadline = 0, True, time.monotonic() + timeout_s
+    try:
+        while done < nproc:
+            event = _next_event(queue, procs, deadline)
+            if event["event"] == "rank_done":
+                done += 1
+                continue
+            on_event(event)
+            if event["event"] == "failure":
+                ok = False
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if ok else 0.1)
+            if p.is_alive():
+                p.kill()
+    return ok
+
+
+def _next_event(queue: Any, procs: list, deadline: float) -> dict[str, Any]:
+    import queue as queue_mod
+
+    while True:
+        try:
+            return queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            pass
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            return {"event": "failure", "rank": dead[0],
+                    "cause": f"process exited with code {procs[dead[0]].exitcode}"}
+        if time.monotonic() > deadline:
+            return {"event": "failure", "rank": -1, "cause": "launcher timeout"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from orchestrator.spec import SpecError, load_spec
+    from parallel.layout import LayoutError, layout_from_spec
+
+    parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("spec", nargs="?", help="job spec (YAML/JSON); default: the embedded tiny job")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--log-json", help="write one JSON object per line to this path")
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        spec = load_spec(args.spec, args.overrides)
+        layout = layout_from_spec(spec, args.nproc)
+    except (SpecError, LayoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sink = open(args.log_json, "a") if args.log_json else None
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["event"] == "step":
+            print(f"step {event['step']:>5}  loss {event['loss']:.6f}  "
+                  f"tokens/s {event['tokens_per_s']:.0f}  {layout.describe()}", flush=True)
+        else:
+            print(json.dumps(event), flush=True)
+        if sink:
+            sink.write(json.dumps(event) + "\n")
+            sink.flush()
+
+    ok = launch(spec.to_dict(), layout.to_dict(), args.nproc, on_event, args.timeout_s)
+    if sink:
+        sink.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
