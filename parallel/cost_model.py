@@ -185,9 +185,10 @@ class Link:
         return steps * self.alpha_s + nbytes / self.bandwidth_Bps
 
 
-# Per-GPU figures: NVLink-class bus bandwidth inside a node, one 200 Gb/s IB NIC per GPU across.
-NVLINK = Link(alpha_s=1e-6, bandwidth_Bps=150e9)
-INFINIBAND = Link(alpha_s=5e-6, bandwidth_Bps=25e9)
+# Per-GPU figures of an H100 node: NVLink 4 (450 GB/s per direction) inside, one 400 Gb/s NIC
+# per GPU (50 GB/s) across nodes.
+NVLINK = Link(alpha_s=1e-6, bandwidth_Bps=450e9)
+INFINIBAND = Link(alpha_s=5e-6, bandwidth_Bps=50e9)
 
 
 @dataclass(frozen=True)

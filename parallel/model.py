@@ -126,12 +126,11 @@ class FeedForward(nn.Module):
 
 
 def build_feed_forward(spec: ModelSpec) -> nn.Module:
-    """The FFN of one block; the single place where an MoE layer will replace the dense SwiGLU."""
+    """The FFN of one block: dense SwiGLU, or top-k routed SwiGLU experts when `spec.moe` is set."""
     if spec.moe is not None:
-        raise NotImplementedError(
-            f"model.moe: {spec.moe.model_dump()} is set, but the MoE feed-forward is not "
-            "implemented yet (it will replace TransformerBlock.feed_forward in "
-            "parallel/model.py:build_feed_forward); set model.moe to null for a dense model")
+        # Imported here: expert_parallel is only needed by MoE models.
+        from parallel.expert_parallel import MoEFeedForward
+        return MoEFeedForward(spec.dim, spec.ffn_hidden, spec.moe)
     return FeedForward(spec.dim, spec.ffn_hidden)
 
 

@@ -136,7 +136,7 @@ def test_alpha_beta_time() -> None:
     assert Comm("x", 1.5e9, 6).time(link) == pytest.approx(0.010006)
     net = Network()
     assert net.link(False) is net.intra and net.link(True) is net.inter
-    assert Comm("x", 25e9, 2).to_dict(net.inter)["time_s"] == pytest.approx(1 + 2 * 5e-6)
+    assert Comm("x", 50e9, 2).to_dict(net.inter)["time_s"] == pytest.approx(1 + 2 * 5e-6)
 
 
 def test_tp_volume_matches_the_published_43_75_gib() -> None:

@@ -181,10 +181,13 @@ def test_cross_entropy_sum() -> None:
         cross_entropy_sum(logits, targets[:, :4])
 
 
-def test_moe_hook_is_explicit() -> None:
+def test_moe_spec_builds_moe_feed_forward() -> None:
+    from parallel.expert_parallel import MoEFeedForward
+
     spec = tiny_spec(moe={"num_experts": 4, "top_k": 2})
-    with pytest.raises(NotImplementedError, match="model.moe"):
-        build_model(spec, SEED)
+    model = build_model(spec, SEED)
+    assert all(isinstance(b.feed_forward, MoEFeedForward) for b in model.layers.values())
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
 
 
 def test_loss_decreases_on_synthetic_data() -> None:
