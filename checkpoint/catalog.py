@@ -1,0 +1,400 @@
+"""Checkpoint versions, the commit marker, verification and retention.
+
+Why: a save is written by many ranks and can die half-way, and storage can rot afterwards. So a
+version is a directory `step-NNNNNNNN` (8 digits, pinned) that counts only once its
+`manifest.json` exists, and the manifest is written LAST, atomically, after every file below it
+has been sized and checksummed: the two-phase commit's second phase. Whoever loads a checkpoint
+asks `latest_committed()`, which re-checks those checksums and falls back to an older version
+(logging why) when the newest is damaged. Retention deletes the manifest of a version before its
+files, so a crash during deletion leaves an uncommitted leftover, never a committed version with
+files missing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any, Collection, Mapping, NamedTuple
+
+from checkpoint.storage import (DEFAULT_CHECKSUM, Storage, StorageError, StorageNotFoundError,
+                                validate_relpath)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_STEP = 99_999_999  # the pinned name has exactly 8 digits
+_VERSION_RE = re.compile(r"^step-(\d{8})$")
+
+
+class CatalogError(Exception):
+    """A checkpoint version cannot be begun, committed or read; the message names the URI."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class ManifestError(CatalogError):
+    """A manifest is unreadable, malformed or of an unknown format version."""
+
+
+def version_name(step: int) -> str:
+    """`step-00000040` for step 40; the pinned directory name of a version."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CatalogError(f"checkpoint step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return f"step-{step:08d}"
+
+
+def parse_version_name(name: str) -> int | None:
+    """The step of a version directory name, or None for anything else."""
+    m = _VERSION_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def spec_hash(model_spec: Mapping[str, Any]) -> str:
+    """Stable sha256 hex of a model spec: canonical JSON (sorted keys, no spaces, no NaN).
+
+    Why canonical JSON: the hash must match across processes, Python versions and key orders,
+    so a checkpoint is never loaded into a different model by accident.
+    """
+    data = model_spec.model_dump(mode="json") if hasattr(model_spec, "model_dump") else model_spec
+    try:
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CatalogError(f"model spec is not JSON-serialisable: {exc}") from exc
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    checksum: str  # '<algorithm>:<hex>', e.g. 'crc32c:1a2b3c4d'
+
+
+def _need_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ManifestError(f"manifest field {name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass
+class Manifest:
+    """The commit marker of one version; everything a resume needs besides the tensors."""
+
+    step: int
+    layout: dict[str, Any]
+    world_size: int
+    model_hash: str
+    data_cursor: int  # global samples consumed
+    seed: int
+    lr_step: int  # scheduler position
+    files: dict[str, FileEntry]
+    blocked_s: float = 0.0
+    total_s: float = 0.0
+    created_at: str = ""
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("step", 0), ("world_size", 1), ("data_cursor", 0),
+                              ("lr_step", 0), ("format_version", 1)):
+            _need_int(name, getattr(self, name), minimum)
+        _need_int("seed", self.seed, -(1 << 63))
+        if self.format_version > FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {self.format_version} is newer than "
+                                f"this Tenax understands ({FORMAT_VERSION})")
+        if not isinstance(self.layout, dict) or not isinstance(self.extra, dict):
+            raise ManifestError("manifest fields layout and extra must be JSON objects")
+        if not isinstance(self.model_hash, str):
+            raise ManifestError(f"manifest model_hash must be a str, got {self.model_hash!r}")
+        for rel in self.files:
+            try:  # entries come from storage and drive reads: confine them to the root
+                validate_relpath(rel)
+            except StorageError as exc:
+                raise ManifestError(f"manifest file entry rejected: {exc}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ManifestError(f"manifest must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        missing = sorted(n for n in known - raw.keys()
+                         if n not in ("blocked_s", "total_s", "created_at", "extra"))
+        if missing:
+            raise ManifestError(f"manifest lacks fields {missing}")
+        # unknown keys are ignored so a newer writer of the same format_version stays readable
+        args = {k: v for k, v in raw.items() if k in known}
+        try:
+            args["files"] = {rel: FileEntry(int(e["size"]), str(e["checksum"]))
+                             for rel, e in dict(args["files"]).items()}
+            return cls(**args)
+        except (TypeError, ValueError, KeyError) as exc:  # ManifestError passes through
+            raise ManifestError(f"manifest is malformed: {type(exc).__name__}: {exc}") from exc
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+
+class VersionInfo(NamedTuple):
+    step: int
+    committed: bool
+    size: int  # bytes on storage, manifest included
+
+
+@dataclass(frozen=True)
+class Deletion:
+    step: int
+    committed: bool
+    reason: str
+
+
+def retention_plan(committed: Collection[int], uncommitted: Collection[int], keep_last: int,
+                   keep_every: int, in_progress: Collection[int] = (),
+                   protect: Collection[int] = ()) -> dict[int, str]:
+    """Pure retention decision: {step to delete: reason}.
+
+    Keeps the newest `keep_last` committed versions, every committed step divisible by
+    `keep_every` (when > 0), the steps in `protect`, and always the newest committed version.
+    Deletes every uncommitted version that is not being written (`in_progress`).
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 0:
+        raise ValueError(f"keep_every must be an int >= 0 (0 = off), got {keep_every!r}")
+    ordered = sorted(set(committed))
+    keep = set(ordered[-keep_last:]) | (set(protect) & set(ordered))
+    if keep_every > 0:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    plan = {s: f"committed, older than the last {keep_last}"
+            + (f" and not a multiple of keep_every={keep_every}" if keep_every else "")
+            for s in ordered if s not in keep}
+    busy = set(in_progress)
+    for s in sorted(set(uncommitted) - set(ordered)):
+        if s not in busy and s not in protect:
+            plan[s] = "uncommitted leftover (no manifest.json)"
+    return plan
+
+
+class Catalog:
+    """Versions of one job's checkpoints on a `Storage` root.
+
+    Only one process (the save coordinator) calls begin/commit/apply_retention for a root;
+    any number may read.
+    """
+
+    def __init__(self, storage: Storage, *, checksum: str = DEFAULT_CHECKSUM,
+                 workers: int = 4) -> None:
+        self.storage = storage
+        self.checksum = checksum
+        self.workers = workers
+
+    def _manifest_rel(self, step: int) -> str:
+        return f"{version_name(step)}/{MANIFEST_NAME}"
+
+    # ---- writing -------------------------------------------------------------------------
+    def begin(self, step: int, *, replace_committed: bool = False) -> str:
+        """Create an empty version dir for `step` and return its URI.
+
+        An uncommitted leftover of the same step is wiped. A committed one is only replaced with
+        `replace_committed` (a run resumed from an older version re-saving the same step); its
+        manifest goes first so a crash mid-wipe never leaves a committed, partial version.
+        """
+        name = version_name(step)
+        if self.storage.exists(self._manifest_rel(step)):
+            if not replace_committed:
+                raise CatalogError(f"step {step} is already committed at "
+                                   f"{self.storage.url(name)}; pass replace_committed=True")
+            logger.warning("replacing committed checkpoint %s", self.storage.url(name))
+            self.storage.delete(self._manifest_rel(step))
+        if self.storage.delete_tree(name):
+            logger.warning("wiped uncommitted leftover %s before a new save",
+                           self.storage.url(name))
+        self.storage.makedirs(name)
+        return self.storage.url(name)
+
+    def commit(self, step: int, *, layout: Mapping[str, Any], world_size: int, model_hash: str,
+               data_cursor: int, seed: int, lr_step: int, blocked_s: float = 0.0,
+               started_at: float | None = None, extra: Mapping[str, Any] | None = None,
+               expected_files: Collection[str] | None = None,
+               allow_empty_files: bool = False) -> Manifest:
+        """Checksum every file of the version, then write manifest.json last; return it.
+
+        `started_at` is `time.monotonic()` when the save began (total_s runs to the manifest
+        write; without it total_s is the commit's own time). Refuses when the version dir is
+        missing or has no files, a file of `expected_files` is missing, a file is empty (unless
+        `allow_empty_files`), or the step is already committed.
+        """
+        t0 = time.monotonic()
+        name = version_name(step)
+        files = self._files_to_commit(step, expected_files, allow_empty_files)
+        sums = self.storage.checksum_many([f"{name}/{r}" for r in files], self.checksum,
+                                          self.workers)
+        entries: dict[str, FileEntry] = {}
+        for rel in files:
+            res = sums[f"{name}/{rel}"]
+            if isinstance(res, StorageError):
+                raise CatalogError(f"cannot commit step {step}: {res}")
+            if res[0] != files[rel]:
+                raise CatalogError(f"cannot commit step {step}: {self.storage.url(name)}/{rel} "
+                                   f"changed size while being checksummed")
+            entries[rel] = FileEntry(*res)
+        manifest = Manifest(
+            step=step, layout=dict(layout), world_size=world_size, model_hash=model_hash,
+            data_cursor=data_cursor, seed=seed, lr_step=lr_step, files=entries,
+            blocked_s=float(blocked_s), extra=dict(extra or {}),
+            created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
+        manifest.total_s = time.monotonic() - (t0 if started_at is None else started_at)
+        self.storage.write_bytes(self._manifest_rel(step), manifest.to_json().encode())
+        took = max(time.monotonic() - t0, 1e-9)
+        logger.info("committed %s: %d files, %d bytes, commit took %.3fs (%.0f MB/s)",
+                    self.storage.url(name), len(entries), manifest.total_bytes, took,
+                    manifest.total_bytes / took / 1e6)
+        return manifest
+
+    def _files_to_commit(self, step: int, expected: Collection[str] | None,
+                         allow_empty: bool) -> dict[str, int]:
+        name = version_name(step)
+        url = self.storage.url(name)
+        if self.storage.exists(self._manifest_rel(step)):
+            raise CatalogError(f"step {step} is already committed at {url}")
+        files = self.storage.list_files(name)
+        if not files:
+            what = "has no files" if self.storage.isdir(name) else "does not exist"
+            raise CatalogError(f"cannot commit step {step}: {url} {what} (call begin() and "
+                               f"write the shards first)")
+        missing = sorted(validate_relpath(r) for r in (expected or ()) if r not in files)
+        if missing:
+            raise CatalogError(f"cannot commit step {step}: missing files under {url}: {missing}")
+        empty = sorted(r for r, size in files.items() if size == 0)
+        if empty and not allow_empty:
+            raise CatalogError(f"cannot commit step {step}: empty files under {url}: {empty}")
+        return files
+
+    # ---- reading -------------------------------------------------------------------------
+    def versions(self) -> list[VersionInfo]:
+        """Every version dir under the root, by step: committed or not, and its size."""
+        out = []
+        for name in self.storage.list_dirs():
+            step = parse_version_name(name)
+            if step is None:
+                continue  # foreign directories are not ours to judge or delete
+            files = self.storage.list_files(name)
+            out.append(VersionInfo(step, MANIFEST_NAME in files, sum(files.values())))
+        return sorted(out)
+
+    def committed_steps(self) -> list[int]:
+        return [v.step for v in self.versions() if v.committed]
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of committed `step`; CatalogError if not committed or unreadable."""
+        url = self.storage.url(self._manifest_rel(step))
+        try:
+            raw = self.storage.read_bytes(self._manifest_rel(step))
+        except StorageNotFoundError as exc:
+            raise CatalogError(f"step {step} is not committed: {url} does not exist") from exc
+        except StorageError as exc:
+            raise CatalogError(f"cannot read {url}: {exc}") from exc
+        try:
+            manifest = Manifest.from_json(raw)
+        except ManifestError as exc:  # say which file: the bare parse error does not know
+            raise ManifestError(f"{url}: {exc}") from exc
+        if manifest.step != step:
+            raise ManifestError(f"{url} claims step {manifest.step}, not {step}")
+        return manifest
+
+    def verify(self, step: int) -> list[str]:
+        """Problems of committed `step`, re-reading every file; [] means intact."""
+        try:
+            manifest = self.manifest(step)
+        except CatalogError as exc:
+            return [str(exc)]
+        name = version_name(step)
+        try:
+            listed = self.storage.list_files(name)
+        except StorageError as exc:
+            return [f"cannot list {self.storage.url(name)}: {exc}"]
+        problems, to_check = [], {}
+        for rel, entry in sorted(manifest.files.items()):
+            url = self.storage.url(f"{name}/{rel}")
+            if rel not in listed:
+                problems.append(f"missing file {url}")
+            elif listed[rel] != entry.size:
+                problems.append(f"size mismatch {url}: {listed[rel]} bytes, "
+                                f"manifest says {entry.size}")
+            else:
+                to_check[f"{name}/{rel}"] = entry
+        by_algorithm: dict[str, list[str]] = {}
+        for abs_rel, entry in to_check.items():
+            by_algorithm.setdefault(entry.checksum.partition(":")[0], []).append(abs_rel)
+        results = {}
+        for algorithm, rels in by_algorithm.items():
+            results.update(self.storage.checksum_many(rels, algorithm, self.workers))
+        for abs_rel, entry in to_check.items():
+            res, url = results[abs_rel], self.storage.url(abs_rel)
+            if isinstance(res, StorageError):
+                problems.append(f"unreadable file {url}: {res}")
+            elif res != (entry.size, entry.checksum):
+                problems.append(f"checksum mismatch {url}: {res[1]} ({res[0]} bytes), "
+                                f"manifest says {entry.checksum} ({entry.size} bytes)")
+        return problems
+
+    def latest_committed(self, verify: bool = True) -> Manifest | None:
+        """Newest committed version whose manifest reads (and files verify); None if none."""
+        for step in reversed(self.committed_steps()):
+            try:
+                manifest = self.manifest(step)
+            except CatalogError as exc:
+                logger.warning("skipping checkpoint step %d: %s", step, exc)
+                continue
+            problems = self.verify(step) if verify else []
+            if problems:
+                logger.warning("skipping damaged checkpoint step %d at %s: %s", step,
+                               self.storage.url(version_name(step)), "; ".join(problems))
+                continue
+            return manifest
+        return None
+
+    # ---- deleting ------------------------------------------------------------------------
+    def delete(self, step: int) -> bool:
+        """Delete a version: manifest first (uncommit), then its files. False if absent."""
+        self.storage.delete(self._manifest_rel(step))
+        return self.storage.delete_tree(version_name(step))
+
+    def apply_retention(self, keep_last: int, keep_every: int = 0, *,
+                        in_progress: Collection[int] = (),
+                        protect: Collection[int] = ()) -> list[Deletion]:
+        """Delete what `retention_plan` says; return what was deleted, logging each reason.
+
+        `in_progress`: steps being written now (their uncommitted dirs are spared).
+        `protect`: steps never to delete, e.g. the one the job resumed from — the newest
+        committed version may be damaged, and retention does not re-read checksums.
+        A failed deletion is logged and retried at the next call, never raised: retention runs
+        after saves, and a failed save chore must not stop training.
+        """
+        versions = self.versions()
+        committed = {v.step for v in versions if v.committed}
+        plan = retention_plan(committed, {v.step for v in versions if not v.committed},
+                              keep_last, keep_every, in_progress, protect)
+        done = []
+        for step, reason in sorted(plan.items()):
+            url = self.storage.url(version_name(step))
+            try:
+                self.delete(step)
+            except StorageError as exc:
+                logger.error("retention could not delete %s (%s): %s", url, reason, exc)
+                continue
+            logger.info("retention deleted %s: %s", url, reason)
+            done.append(Deletion(step, step in committed, reason))
+        return done
