@@ -55,10 +55,19 @@ class _Bucket:
 
 @dataclass
 class DataParallel:
-    """Gradient sync and optimizer sharding for zero 0-2 over one dp process group."""
-    model: nn.Module
+    """Gradient sync and optimizer sharding for zero 0-2 of `params` over one process group.
+
+    `divisor` is what the summed gradients are divided by: the group size for ordinary
+    parameters; for MoE experts, whose grads already hold their whole ep group's tokens, it is
+    dp*cp while the group is only the dp*cp/ep ranks holding the same experts. `overlap=False`
+    (pipeline schedules, which run backward outside our micro-batch loop) launches every bucket
+    in `finish_grads` instead of from the backward hooks.
+    """
+    params: list[nn.Parameter]
     group: dist.ProcessGroup
     zero: int
+    divisor: int | None = None
+    overlap: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets: list[_Bucket] = field(default_factory=list)
     _last_micro: bool = False
@@ -69,6 +78,7 @@ class DataParallel:
             raise ValueError(f"DataParallel handles zero 0-2, got {self.zero} (zero 3 is FSDP2)")
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.divisor = self.divisor or self.world
         self._build_buckets()
         if self.zero >= 1:
             self._shards = self._make_shards()
@@ -76,7 +86,7 @@ class DataParallel:
     # ---- set-up ----------------------------------------------------------------------------
     def _build_buckets(self) -> None:
         # Grads become ready roughly in reverse registration order, so bucket in that order.
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.params if p.requires_grad]
         current: list[nn.Parameter] = []
         size = 0
         for p in reversed(params):
@@ -96,7 +106,7 @@ class DataParallel:
 
     def _make_hook(self, bucket: _Bucket):
         def hook(_: torch.Tensor) -> None:
-            if self._last_micro:
+            if self._last_micro and self.overlap:
                 bucket.pending -= 1
                 if bucket.pending == 0:
                     self._launch(bucket)
@@ -120,14 +130,14 @@ class DataParallel:
     def optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer should own: full params (zero 0) or this rank's chunks."""
         if self.zero == 0:
-            return [p for p in self.model.parameters() if p.requires_grad]
+            return [p for p in self.params if p.requires_grad]
         return [shard for _, shard in self._shards]
 
     # ---- per step --------------------------------------------------------------------------
     def begin_micro_batch(self, last: bool) -> None:
         """Reductions launch only during the last micro-batch's backward (accumulate before)."""
         self._last_micro = last
-        if last:
+        if last or not self.overlap:
             for bucket in self.buckets:
                 bucket.pending, bucket.work, bucket.buffer = len(bucket.params), None, None
 
@@ -152,17 +162,20 @@ class DataParallel:
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.zero == 2:
-            rows = self._padded_rows(bucket).div_(self.world)
+            rows = self._padded_rows(bucket).div_(self.divisor)
             bucket.shard_grad = torch.empty(bucket.chunk_total, dtype=rows.dtype, device=rows.device)
             bucket.buffer = rows
             bucket.work = dist.reduce_scatter_single(bucket.shard_grad, rows.view(-1), group=self.group,
                                                      async_op=True)
         else:
-            bucket.buffer = self._flat_grads(bucket).div_(self.world)
+            bucket.buffer = self._flat_grads(bucket).div_(self.divisor)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def finish_grads(self) -> None:
         """Wait for every bucket's reduction and put the averaged grads in place."""
+        for bucket in self.buckets:
+            if bucket.work is None and not self.overlap:
+                self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is None:  # some param got no grad: launch what is left now
                 self._launch(bucket)
@@ -228,7 +241,7 @@ class DataParallel:
         return out
 
     def zero_grad(self) -> None:
-        for p in self.model.parameters():
+        for p in self.params:
             p.grad = None
         for _, shard in self._shards:
             shard.grad = None
@@ -243,7 +256,7 @@ class DataParallel:
             return [(p, s.grad) for p, s in self._shards if s.grad is not None]
         if self.rank != 0:
             return []
-        return [(p, local(p.grad)) for p in self.model.parameters() if p.grad is not None]
+        return [(p, local(p.grad)) for p in self.params if p.grad is not None]
 
 
 def canonical_grad(p: nn.Parameter) -> torch.Tensor:
@@ -267,7 +280,11 @@ def _like_param(p: nn.Parameter, local_grad: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, block_names: str = "layers") -> nn.Module:
-    """ZeRO-3: shard each transformer block, then the root (embedding, norm, head)."""
+    """ZeRO-3: shard each transformer block, then the root (embedding, norm, head).
+
+    `dp_mesh` spans dp*cp ranks: context-parallel ranks hold the same weights, so they shard
+    them like data-parallel ranks do.
+    """
     from torch.distributed.fsdp import fully_shard
 
     blocks = getattr(model, block_names)

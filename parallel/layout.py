@@ -104,8 +104,25 @@ class ParallelLayout:
             out.append(f"ep={self.ep} needs an MoE model (model.moe is null)")
         if model.moe is not None and model.moe.num_experts % self.ep:
             out.append(f"ep={self.ep} does not divide model.moe.num_experts={model.moe.num_experts}")
+        out.extend(self.engine_problems(model))
         if global_batch_size is not None:
             out.extend(self.batch_problems(global_batch_size))
+        return out
+
+    def engine_problems(self, model: "ModelSpec") -> list[str]:
+        """Combinations the engine rejects up front rather than train wrongly."""
+        out = []
+        if (model.seq_len // self.cp) % self.tp:
+            out.append(f"tp={self.tp} does not divide the per-rank sequence "
+                       f"seq_len/cp={model.seq_len // self.cp} (sequence parallelism splits it)")
+        if model.moe is not None:
+            for dim in ("tp", "pp", "cp"):
+                if getattr(self, dim) > 1:
+                    out.append(f"{dim}={getattr(self, dim)} with an MoE model is not supported "
+                               f"(experts shard over ep; router statistics need whole sequences)")
+            if self.ep > 1 and self.zero == 3:
+                out.append(f"zero=3 with ep={self.ep} is not supported (FSDP2 cannot shard the "
+                           "ep-sharded experts); use zero 0-2")
         return out
 
     def batch_problems(self, global_batch_size: int) -> list[str]:
@@ -113,6 +130,12 @@ class ParallelLayout:
         if global_batch_size % per_rank:
             return [f"dp*micro_batch_size = {self.dp}*{self.micro_batch_size} does not divide "
                     f"train.global_batch_size={global_batch_size}"]
+        micro = global_batch_size // per_rank
+        if self.pp > 1 and micro < self.pp:
+            return [f"pp={self.pp} needs at least {self.pp} micro-batches per step, "
+                    f"train.global_batch_size={global_batch_size} gives {micro}"]
+        if self.pp > 1 and self.pp_virtual_stages > 1 and micro % self.pp:
+            return [f"interleaved schedules need micro-batches ({micro}) divisible by pp={self.pp}"]
         return []
 
     def validate(self, model: "ModelSpec", world_size: int | None = None,
@@ -155,11 +178,16 @@ class ParallelLayout:
 
     # ---- groups ----------------------------------------------------------------------------
     def groups(self, dim: str) -> list[list[int]]:
-        """The rank groups of one dimension (pp, dp, cp, tp or ep); they partition the ranks."""
-        if dim == "ep":
-            return self._ep_groups()
+        """The rank groups of one dimension; they partition the ranks.
+
+        Besides the mesh dims (pp, dp, cp, tp): `ep`, expert-parallel groups carved as runs of
+        `ep` consecutive ranks of each flattened (dp, cp) group, and `edp`, the ranks that hold
+        the same experts (one per ep group), over which expert gradients are reduced.
+        """
+        if dim in ("ep", "edp"):
+            return self._ep_groups(dim == "edp")
         if dim not in MESH_DIMS:
-            raise LayoutError(f"unknown dimension {dim!r}; expected one of {MESH_DIMS + ('ep',)}")
+            raise LayoutError(f"unknown dimension {dim!r}; expected one of {MESH_DIMS + ('ep', 'edp')}")
         axis = MESH_DIMS.index(dim)
         others = [range(s) for i, s in enumerate(self._shape) if i != axis]
         out = []
@@ -172,11 +200,14 @@ class ParallelLayout:
             out.append(group)
         return out
 
-    def _ep_groups(self) -> list[list[int]]:
+    def _ep_groups(self, expert_dp: bool) -> list[list[int]]:
         out = []
         for pp, tp in itertools.product(range(self.pp), range(self.tp)):
             flat = [self.rank(pp, dp, cp, tp) for dp in range(self.dp) for cp in range(self.cp)]
-            out.extend(flat[i:i + self.ep] for i in range(0, len(flat), self.ep))
+            if expert_dp:
+                out.extend(flat[j::self.ep] for j in range(self.ep))
+            else:
+                out.extend(flat[i:i + self.ep] for i in range(0, len(flat), self.ep))
         return out
 
     def group_of(self, dim: str, rank: int) -> list[int]:

@@ -157,6 +157,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(spec.dim)
         self.output: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        # This rank's global token positions, set by the trainer when they are not arange(s):
+        # under context parallelism, and on pipeline stages whose input is sequence-sharded
+        # hidden state (its length is then not the sequence length). Not a buffer: it is a
+        # property of the layout, not of the model, and must not enter checkpoints.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] without an embedding) -> logits or hidden.
@@ -165,7 +170,9 @@ class Transformer(nn.Module):
         differ from it only when this rank holds non-contiguous chunks (context parallelism).
         """
         seq_len = tokens.shape[1]
-        if positions is None:
+        if positions is None and self.positions is not None:
+            positions = self.positions
+        elif positions is None:
             positions = torch.arange(seq_len, device=tokens.device)
         elif positions.shape[-1] != seq_len:
             raise ValueError(f"positions: last dim {positions.shape[-1]} does not match "

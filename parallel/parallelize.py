@@ -1,17 +1,24 @@
 """Apply the parallelisms of a layout to a model, always in one fixed order.
 
-Order: build on meta -> TP/SP -> data parallel (FSDP2 for zero 3) -> materialise -> init ->
-hand-written DP (zero 0-2). TP first because FSDP2 shards DTensors that TP produced (2-D), and
-weights are initialised only after every wrapper is in place: `init_weights` fills each shard from
-(seed, parameter name), so every layout starts from the same model without ever holding it whole.
-The hand-written DP comes last because it takes views of the materialised parameters.
+Order: build on meta -> PP split into stage modules -> per stage: TP/SP -> CP -> EP -> FSDP2
+(zero 3) -> materialise -> init -> hand-written DP (zero 0-2). TP first because CP, EP and FSDP2
+all work on the DTensors TP produced or leave them alone; FSDP2 last among the wrappers because
+it shards whatever parameters the others left. Weights are initialised only after every wrapper
+is in place: `init_weights` fills each shard from (seed, parameter name), so every layout
+starts from the same model without ever holding it whole. The hand-written DP comes last
+because it takes views of the materialised parameters.
+
+Process groups: data parallelism spans dp*cp ranks (context-parallel ranks hold the same
+weights); experts are sharded over `ep` ranks carved from them and their grads are reduced
+over `edp`, the ranks holding the same experts.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -19,40 +26,121 @@ from orchestrator.spec import ModelSpec
 from parallel.data_parallel import DataParallel, apply_fsdp
 from parallel.layout import ParallelLayout
 from parallel.model import Transformer, init_weights
+from parallel.pipeline_parallel import build_stage_module, split_layers, stage_ids
 from parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class ParallelGroups:
+    """The process groups one rank needs beyond the mesh's own dims."""
+    dp_cp_mesh: DeviceMesh  # 1-D mesh over dp*cp ranks (FSDP2 shards over it)
+    dp_cp: dist.ProcessGroup
+    ep: dist.ProcessGroup | None = None
+    edp: dist.ProcessGroup | None = None
+
+
+def _my_subgroup(groups: list[list[int]]) -> dist.ProcessGroup:
+    # Every rank must create every group, in the same order: group creation is collective.
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+def build_groups(layout: ParallelLayout, mesh: DeviceMesh) -> ParallelGroups:
+    if layout.cp > 1:
+        dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    else:
+        dp_cp_mesh = mesh["dp"]
+    groups = ParallelGroups(dp_cp_mesh, dp_cp_mesh.get_group())
+    if layout.ep > 1:
+        groups.ep = _my_subgroup(layout.groups("ep"))
+        groups.edp = _my_subgroup(layout.groups("edp"))
+    return groups
+
+
+@dataclass
 class ParallelModel:
-    """The model a rank trains, with the data-parallel machinery that goes with it."""
-    model: nn.Module
+    """The model chunks a rank trains, with the data-parallel machinery that goes with them."""
+    parts: list[nn.Module]  # one per pipeline stage held here; [whole model] without PP
+    stage_ids: list[int]
     layout: ParallelLayout
     mesh: DeviceMesh
-    dp: DataParallel | None  # None for zero 3, where FSDP2 owns gradient sync
+    groups: ParallelGroups
+    dps: list[DataParallel] = field(default_factory=list)  # empty for zero 3 (FSDP2)
 
     @property
     def fsdp(self) -> bool:
-        return self.dp is None
+        return self.layout.zero == 3
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Canonical names are unique across parts: stages keep their layers' keys."""
+        return [item for part in self.parts for item in part.named_parameters()]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        if self.dp is None:
-            return [p for p in self.model.parameters() if p.requires_grad]
-        return self.dp.optimizer_params()
+        if self.fsdp:
+            return [p for p in self.parameters() if p.requires_grad]
+        return [p for dp in self.dps for p in dp.optimizer_params()]
+
+
+def _build_parts(spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> tuple[list[nn.Module], list[int]]:
+    if layout.pp == 1:
+        with torch.device("meta"):
+            return [Transformer(spec)], [0]
+    n_stages = layout.pp * layout.pp_virtual_stages
+    split = split_layers(spec.n_layers, n_stages, uneven=n_stages > 2)
+    ids = stage_ids(pp_rank, layout.pp, layout.pp_virtual_stages, layout.pp_schedule)
+    with torch.device("meta"):
+        parts = [build_stage_module(spec, split[i], i == 0, i == n_stages - 1) for i in ids]
+    return parts, ids
+
+
+def _wrap_part(part: nn.Module, spec: ModelSpec, layout: ParallelLayout, mesh: DeviceMesh,
+               groups: ParallelGroups) -> None:
+    apply_tp(part, mesh["tp"])
+    if layout.cp > 1:
+        from parallel.context_parallel import apply_cp
+
+        apply_cp(part, mesh["cp"].get_group())
+    if spec.moe is not None and layout.ep > 1:
+        from parallel.expert_parallel import apply_ep
+
+        apply_ep(part, groups.ep)
+    if layout.zero == 3:
+        apply_fsdp(part, groups.dp_cp_mesh)
+
+
+def _build_dps(pm: ParallelModel) -> list[DataParallel]:
+    from parallel.expert_parallel import is_expert_param
+
+    layout, groups = pm.layout, pm.groups
+    overlap = layout.pp == 1  # pipeline schedules run backward outside our micro-batch loop
+    named = pm.named_parameters()
+    dense = [p for n, p in named if not (layout.ep > 1 and is_expert_param(n))]
+    dps = [DataParallel(dense, groups.dp_cp, layout.zero, overlap=overlap)]
+    experts = [p for n, p in named if layout.ep > 1 and is_expert_param(n)]
+    if experts:
+        dps.append(DataParallel(experts, groups.edp, layout.zero, divisor=layout.dp * layout.cp,
+                                overlap=overlap))
+    return dps
 
 
 def parallelize(model_spec: ModelSpec, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
                 device: torch.device, dtype: torch.dtype = torch.float32) -> ParallelModel:
-    with torch.device("meta"):
-        model = Transformer(model_spec)
-    apply_tp(model, mesh["tp"])
-    if layout.zero == 3:
-        apply_fsdp(model, mesh["dp"])
-    model.to_empty(device=device)
-    init_weights(model, seed)
-    if dtype != torch.float32:
-        model.to(dtype=dtype)
-    dp = None if layout.zero == 3 else DataParallel(model, mesh["dp"].get_group(), layout.zero)
-    logger.info("parallelized %s: %s", type(model).__name__, layout.describe())
-    return ParallelModel(model, layout, mesh, dp)
+    groups = build_groups(layout, mesh)
+    pp_rank = layout.coords(dist.get_rank())["pp"]
+    parts, ids = _build_parts(model_spec, layout, pp_rank)
+    for part in parts:
+        _wrap_part(part, model_spec, layout, mesh, groups)
+        part.to_empty(device=device)
+        init_weights(part, seed)
+        if dtype != torch.float32:
+            part.to(dtype=dtype)
+    pm = ParallelModel(parts, ids, layout, mesh, groups)
+    if layout.zero != 3:
+        pm.dps = _build_dps(pm)
+    logger.info("parallelized: %s, stages %s on this rank", layout.describe(), ids)
+    return pm

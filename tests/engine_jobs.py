@@ -36,11 +36,11 @@ def memory_job(rank: int, world: int, layout: dict[str, Any]) -> dict[str, int]:
     trainer = Trainer(tiny_spec(), ParallelLayout(**layout), optimizer="adamw")
     trainer.run_step()
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    params = sum(nbytes(local(p)) for p in trainer.model.parameters())
-    if trainer.pm.dp is not None and layout.get("zero") == 2:
-        grads = sum(nbytes(g) for _, g in trainer.pm.dp.owned_grads())
+    params = sum(nbytes(local(p)) for p in trainer.pm.parameters())
+    if layout.get("zero") == 2:
+        grads = sum(nbytes(g) for dp in trainer.pm.dps for _, g in dp.owned_grads())
     else:
-        grads = sum(nbytes(local(p.grad)) for p in trainer.model.parameters() if p.grad is not None)
+        grads = sum(nbytes(local(p.grad)) for p in trainer.pm.parameters() if p.grad is not None)
     opt = sum(nbytes(local(v)) for state in trainer.optimizer.state.values()
               for k, v in state.items() if k != "step")
     return {"params": params, "grads": grads, "optimizer": opt,

@@ -65,3 +65,42 @@ def test_micro_batch_split_does_not_change_the_step():
     ref = reference("sgd")
     out = run_ranks(train_job, 2, {"dp": 2, "zero": 1, "micro_batch_size": 4}, "sgd", STEPS, SGD)[0]
     assert_matches(out, ref, param_tol=1e-5)
+
+
+FOUR_LAYERS = ["model.n_layers=4"]
+PP_LAYOUTS = [dict(pp=2, pp_schedule=s) for s in ("gpipe", "1f1b", "zero_bubble")] + [
+    dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
+    dict(pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2),
+    dict(pp=4, pp_schedule="1f1b"), dict(pp=4, pp_schedule="gpipe"),
+    dict(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=1),
+    dict(pp=4, pp_schedule="zero_bubble"),
+    dict(pp=2, dp=2, zero=1), dict(pp=2, dp=2, zero=3), dict(pp=2, tp=2),
+    dict(cp=2), dict(cp=4), dict(cp=2, dp=2, zero=2), dict(pp=2, cp=2, zero=0),
+    dict(dp=2, pp=2, tp=2, zero=1), dict(dp=2, cp=2, tp=2, zero=3)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference_with(extra: tuple[str, ...]) -> dict:
+    return run_ranks(train_job, 1, {"micro_batch_size": 1}, "sgd", STEPS, [*SGD, *extra])[0]
+
+
+@pytest.mark.parametrize("layout", PP_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_pipeline_and_context_parity(layout):
+    ref = reference_with(tuple(FOUR_LAYERS))
+    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "sgd", STEPS,
+                    [*SGD, *FOUR_LAYERS])[0]
+    assert_matches(out, ref, param_tol=1e-5)
+
+
+MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0, aux_loss_coef: 0.05}"]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, ep=2, zero=0),
+                                    dict(dp=4, ep=4, zero=2), dict(dp=4, ep=2, zero=1)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_moe_expert_parallel_parity(layout):
+    """Aux loss is in the objective: grad norms and parameters would differ without it."""
+    ref = reference_with(tuple(MOE))
+    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "sgd", STEPS,
+                    [*SGD, *MOE])[0]
+    assert_matches(out, ref, param_tol=1e-5)

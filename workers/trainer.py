@@ -83,14 +83,52 @@ class Trainer:
         # Params stay fp32 (master weights); low precision comes from autocast on GPUs.
         self.pm: ParallelModel = parallelize(spec.model, layout, self.mesh, spec.train.seed,
                                              self.device)
-        self.model = self.pm.model
+        self.parts = self.pm.parts
         self.optimizer = self._build_optimizer(optimizer)
         self.loader = TokenDataLoader.from_job_spec(spec)
         self.step = 0
-        coords = layout.coords(dist.get_rank())
-        self.dp_rank, self.dp_size = coords["dp"], layout.dp
+        self.coords = layout.coords(dist.get_rank())
+        self.dp_rank, self.dp_size = self.coords["dp"], layout.dp
         self.accum = layout.accumulation_steps(spec.train.global_batch_size)
         self.autocast_dtype = _DTYPES[spec.train.dtype] if self.device.type == "cuda" else None
+        self.global_tokens = spec.train.global_batch_size * spec.model.seq_len
+        # Each rank's loss is scaled so that averaging grads over the dp*cp ranks gives the
+        # gradient of the global-batch mean loss.
+        self.loss_scale = layout.dp * layout.cp / self.global_tokens
+        self._set_positions()
+        self.pipeline = self._build_pipeline() if layout.pp > 1 else None
+        self.last_moe_stats: dict[str, Any] = {}
+
+    def _set_positions(self) -> None:
+        s, cp = self.spec.model.seq_len, self.layout.cp
+        if cp > 1:
+            from parallel.context_parallel import zigzag_indices
+
+            positions = zigzag_indices(s, cp, self.coords["cp"]).to(self.device)
+        else:
+            positions = torch.arange(s, device=self.device)
+        for part in self.parts:
+            part.positions = positions
+
+    def _build_pipeline(self):
+        from parallel.pipeline_parallel import PipelineRunner
+
+        n_stages = self.layout.pp * self.layout.pp_virtual_stages
+        return PipelineRunner(self.parts, self.pm.stage_ids, n_stages, self.layout.pp_schedule,
+                              self.accum, self.mesh["pp"].get_group(), self.device,
+                              self._pipeline_loss)
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        micro_sum, _ = cross_entropy_sum(logits, targets)
+        return micro_sum * self.loss_scale
+
+    def _local_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a batch of sequences: its zig-zag chunks under CP."""
+        if self.layout.cp == 1:
+            return x
+        from parallel.context_parallel import zigzag_split
+
+        return zigzag_split(x, self.layout.cp, self.coords["cp"])
 
     def _build_optimizer(self, kind: str) -> torch.optim.Optimizer:
         params, t = self.pm.optimizer_params(), self.spec.train
@@ -105,61 +143,87 @@ class Trainer:
     def train_step(self) -> StepResult:
         start = time.perf_counter()
         inputs, targets = self.loader.next_batch(self.dp_rank, self.dp_size)
-        global_tokens = self.spec.train.global_batch_size * self.spec.model.seq_len
-        loss_sum, waited = self._forward_backward(inputs, targets, global_tokens)
+        inputs = self._local_tokens(inputs).to(self.device)
+        targets = self._local_tokens(targets).to(self.device)
+        if self.pipeline is not None:
+            loss_sum, busy = self._pipeline_step(inputs, targets)
+        else:
+            loss_sum, busy = self._forward_backward(inputs, targets)
         t0 = time.perf_counter()
-        if self.pm.dp is not None:
-            self.pm.dp.finish_grads()
+        for dp in self.pm.dps:
+            dp.finish_grads()
         norm = self.clip_grads()
-        waited += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         lr = lr_at(self.step, self.spec)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
         t0 = time.perf_counter()
-        if self.pm.dp is not None:
-            self.pm.dp.after_optimizer_step()
-        dist.all_reduce(loss_sum, group=self.mesh["dp"].get_group())
+        self.optimizer.step()
+        busy += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for dp in self.pm.dps:
+            dp.after_optimizer_step()
+        loss = self._global_loss(loss_sum)
         waited += time.perf_counter() - t0
         self.step += 1
         step_s = time.perf_counter() - start
-        return StepResult(self.step, loss_sum.item() / global_tokens, norm, lr, step_s,
-                          max(step_s - waited, 1e-9), global_tokens, inputs.numel())
+        busy = busy if self.pipeline is not None else max(step_s - waited, 1e-9)
+        return StepResult(self.step, loss, norm, lr, step_s, busy, self.global_tokens,
+                          inputs.numel())
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                          global_tokens: int) -> tuple[torch.Tensor, float]:
-        mb = self.layout.micro_batch_size
-        scale = self.dp_size / global_tokens
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean token loss of the global batch; under PP only last-stage ranks hold a sum."""
+        if self.layout.pp > 1:
+            dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
+        dist.all_reduce(loss_sum, group=self.pm.groups.dp_cp)
+        return loss_sum.item() / self.global_tokens
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        losses, busy, _ = self.pipeline.step(inputs, targets)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro in losses:
+            loss_sum += micro.detach().double() / self.loss_scale
+        return loss_sum, busy
+
+    def _forward_backward(self, inputs: torch.Tensor,
+                          targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        from parallel.expert_parallel import moe_aux_loss, moe_stats
+
+        mb, model = self.layout.micro_batch_size, self.parts[0]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        start = time.perf_counter()
         for i in range(self.accum):
-            last = i == self.accum - 1
-            self._begin_micro_batch(last)
-            x = inputs[i * mb:(i + 1) * mb].to(self.device)
-            y = targets[i * mb:(i + 1) * mb].to(self.device)
+            self._begin_micro_batch(i == self.accum - 1)
+            x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
             with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                 enabled=self.autocast_dtype is not None):
-                logits = self.model(x)
-            micro_sum, _ = cross_entropy_sum(logits, y)
-            (micro_sum * scale).backward()
+                logits = model(x)
+            micro_sum, n_tokens = cross_entropy_sum(logits, y)
+            objective = micro_sum
+            if self.spec.model.moe is not None:  # aux loss per token, like the cross-entropy
+                objective = micro_sum + moe_aux_loss(model) * n_tokens
+                self.last_moe_stats = {k: v for k, v in moe_stats(model).items()}
+            (objective * self.loss_scale).backward()
             loss_sum += micro_sum.detach().double()
-        return loss_sum, 0.0
+        return loss_sum, time.perf_counter() - start
 
     def _begin_micro_batch(self, last: bool) -> None:
-        if self.pm.dp is not None:
-            self.pm.dp.begin_micro_batch(last)
-        else:  # FSDP2: reduce-scatter only once, after the last micro-batch
-            self.model.set_requires_gradient_sync(last)
+        for dp in self.pm.dps:
+            dp.begin_micro_batch(last)
+        if self.pm.fsdp:  # FSDP2: reduce-scatter only once, after the last micro-batch
+            for part in self.parts:
+                part.set_requires_gradient_sync(last)
 
     # ---- grad norm -------------------------------------------------------------------------
     def _owned_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self.pm.dp is not None:
-            return self.pm.dp.owned_grads()
-        return [(p, local(p.grad)) for p in self.model.parameters() if p.grad is not None]
+        if self.pm.dps:
+            return [item for dp in self.pm.dps for item in dp.owned_grads()]
+        return [(p, local(p.grad)) for p in self.pm.parameters() if p.grad is not None]
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
-        if self.pm.dp is not None and self.layout.zero == 2:
-            return [g for _, g in self.pm.dp.owned_grads()]
-        return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        if self.pm.dps and self.layout.zero == 2:
+            return [g for dp in self.pm.dps for _, g in dp.owned_grads()]
+        return [local(p.grad) for p in self.pm.parameters() if p.grad is not None]
 
     @torch.no_grad()
     def clip_grads(self) -> float:
@@ -183,8 +247,8 @@ class Trainer:
         return norm
 
     def zero_grad(self) -> None:
-        if self.pm.dp is not None:
-            self.pm.dp.zero_grad()
+        for dp in self.pm.dps:
+            dp.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
 
     def run_step(self) -> StepResult:
@@ -199,10 +263,17 @@ class Trainer:
         from parallel.model import canonical_param_name
 
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.pm.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[canonical_param_name(name)] = full.detach().float().cpu().clone()
-        return out
+        return self._gather_over_pp(out)
+
+    def _gather_over_pp(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.layout.pp == 1:
+            return mine
+        everyone: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(everyone, mine, group=self.mesh["pp"].get_group())
+        return {k: v for part in everyone for k, v in part.items()}
 
 
 def _replication_weight(p: torch.Tensor) -> float:
