@@ -179,7 +179,26 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_data_prepare)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_data]
+def cmd_run(args: argparse.Namespace) -> int:
+    from orchestrator.runner import run_job
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    return run_job(spec, args.chaos, args.log_json, args.address, args.metrics_port)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a job in the foreground on Ray (embedded if no --address)")
+    p.add_argument("spec", nargs="?", help="job spec YAML/JSON (default: the embedded tiny job)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--chaos", help='faults to inject, e.g. "kill rank=1 at=30; hang rank=0 at=50"')
+    p.add_argument("--log-json", help="append one JSON object per event to this file")
+    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.set_defaults(func=cmd_run)
+
+
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from orchestrator.chaos import ChaosError
     from orchestrator.spec import SpecError
     from parallel.layout import LayoutError
     from parallel.planner import PlanError
@@ -201,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (SpecError, LayoutError, PlanError, ValueError, FileNotFoundError) as err:
+    except (SpecError, LayoutError, PlanError, ChaosError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -127,6 +127,32 @@ class DataParallel:
                     pairs.append((p, nn.Parameter(flat[start:end])))
         return pairs
 
+    def shard_of(self, p: nn.Parameter) -> nn.Parameter | None:
+        """This rank's optimizer-owned chunk of `p` (None when the chunk is empty)."""
+        return dict(self._shards).get(p)
+
+    def _chunk_len(self, p: nn.Parameter) -> int:
+        return math.ceil(local(p).numel() / self.world)
+
+    def gather_full(self, p: nn.Parameter, chunk: torch.Tensor | None) -> torch.Tensor:
+        """All-gather every rank's chunk of a per-element state of `p` into p's local shape.
+
+        Checkpoints store optimizer moments in the parameter's own shape so that any other
+        layout can load them; ZeRO-1/2 keep them as flat chunks, hence this (collective) call.
+        """
+        c = self._chunk_len(p)
+        send = torch.zeros(c, dtype=local(p).dtype, device=local(p).device)
+        if chunk is not None:
+            send[:chunk.numel()] = chunk.reshape(-1)
+        recv = torch.empty(self.world * c, dtype=send.dtype, device=send.device)
+        dist.all_gather_single(recv, send, group=self.group)
+        return recv[:local(p).numel()].view_as(local(p))
+
+    def chunk_view(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a tensor shaped like p's local shard."""
+        start, end = self._chunk_range(full.numel(), self._chunk_len(p))
+        return full.reshape(-1)[start:end]
+
     def optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer should own: full params (zero 0) or this rank's chunks."""
         if self.zero == 0:

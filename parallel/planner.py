@@ -379,7 +379,7 @@ def plan_layout(model: "ModelSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: 
 
 
 def plan_for_spec(spec: "JobSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
-                  **options: Any) -> PlanResult:
+                  pin_zero: bool = False, **options: Any) -> PlanResult:
     """plan_layout honoring the spec: every degree that is not "auto" is pinned, and so are
     micro_batch_size, seq_len and the global batch. The ZeRO stage is free only while dp is
     "auto" (a user who fixes dp has sized the replicas, so their zero stays); the schedule and
@@ -388,7 +388,7 @@ def plan_for_spec(spec: "JobSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: f
     p = spec.parallel
     fixed: dict[str, Any] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep")
                              if getattr(p, k) != "auto"}
-    if p.dp != "auto":
+    if p.dp != "auto" or pin_zero:  # the controller keeps a running job's zero stage
         fixed["zero"] = p.zero
     if p.pp != "auto":
         fixed.update(pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages)

@@ -1,0 +1,131 @@
+"""Layout-free training state: what a checkpoint holds, and how it lands in any other layout.
+
+A checkpoint must load into whatever layout the surviving GPUs allow, so nothing in it may be
+specific to the layout that wrote it:
+
+- model: every parameter under its canonical name (pipeline stages keep their layers' names),
+  as the DTensor or plain tensor the rank holds; DCP records global shapes and shard offsets
+  and reshards on load — TP, FSDP2, EP, PP and any mix.
+- optimizer: AdamW's moments in each parameter's *own* shape and placement, keyed
+  `optim.<name>.<state>`. ZeRO-1/2 keep moments as flat 1/N chunks, so they are all-gathered
+  into parameter shape on save and sliced back to this rank's chunk on load.
+- step, data cursor and LR position are plain numbers and travel in the manifest.
+
+Since data order is a function of (seed, global sample index) and init of (seed, name), these
+are all the state there is: a run resumed in another layout continues exactly.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from parallel.data_parallel import DataParallel
+from parallel.model import canonical_param_name
+
+if TYPE_CHECKING:
+    from workers.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state; SGD (no momentum) has none
+
+
+def model_state(trainer: "Trainer") -> dict[str, torch.Tensor]:
+    """Canonical name -> the parameter itself (DCP saves from it and loads into it in place)."""
+    return {canonical_param_name(n): p for n, p in trainer.pm.named_parameters()}
+
+
+def _dp_of(trainer: "Trainer") -> dict[nn.Parameter, DataParallel]:
+    return {p: dp for dp in trainer.pm.dps for p in dp.params}
+
+
+def _has_moments(trainer: "Trainer") -> bool:
+    return isinstance(trainer.optimizer, torch.optim.AdamW)
+
+
+def optimizer_state(trainer: "Trainer", for_load: bool = False) -> dict[str, torch.Tensor]:
+    """`optim.<name>.<moment>` tensors in parameter shape, plus `optim.step`.
+
+    With `for_load`, missing state (no step taken yet) is created as zeros to load into.
+    Collective for ZeRO-1/2 (an all-gather per parameter and moment): every rank must call it.
+    """
+    if not _has_moments(trainer):
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    owners = _dp_of(trainer)
+    step = torch.zeros((), dtype=torch.float32)
+    for name, p in trainer.pm.named_parameters():
+        key = f"optim.{canonical_param_name(name)}"
+        dp = owners.get(p) if trainer.layout.zero in (1, 2) else None
+        holder = dp.shard_of(p) if dp is not None else p
+        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
+        if "step" in state:
+            step = state["step"].detach().float().cpu().clone()
+        for moment in MOMENTS:
+            value = state.get(moment)
+            if dp is not None:
+                out[f"{key}.{moment}"] = _as_param_shaped(p, dp.gather_full(p, value))
+            elif value is not None:
+                out[f"{key}.{moment}"] = value
+            elif for_load:
+                out[f"{key}.{moment}"] = torch.zeros_like(p)
+    out["optim.step"] = _agree_on_step(step)
+    return out
+
+
+def _agree_on_step(step: torch.Tensor) -> torch.Tensor:
+    # A ZeRO rank whose chunks are all empty has no optimizer state of its own; the step
+    # count is global, so every rank takes the largest.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    return step
+
+
+def _as_param_shaped(p: nn.Parameter, full_local: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return DTensor.from_local(full_local, p.device_mesh, p.placements, run_check=False)
+    return full_local
+
+
+def apply_optimizer_state(trainer: "Trainer", loaded: dict[str, torch.Tensor]) -> None:
+    """Install moments loaded (in parameter shape) into the optimizer of this layout."""
+    if not _has_moments(trainer):
+        return
+    from parallel.data_parallel import local
+
+    owners = _dp_of(trainer)
+    step = loaded["optim.step"].detach().float().cpu().reshape(())
+    for name, p in trainer.pm.named_parameters():
+        key = f"optim.{canonical_param_name(name)}"
+        dp = owners.get(p) if trainer.layout.zero in (1, 2) else None
+        if dp is None:
+            state = {m: loaded[f"{key}.{m}"] for m in MOMENTS}
+            trainer.optimizer.state[p] = {"step": step.clone(), **state}
+            continue
+        shard = dp.shard_of(p)
+        if shard is not None:
+            trainer.optimizer.state[shard] = {"step": step.clone(), **{
+                m: dp.chunk_view(p, local(loaded[f"{key}.{m}"])).clone() for m in MOMENTS}}
+
+
+def training_state(trainer: "Trainer", for_load: bool = False) -> dict[str, torch.Tensor]:
+    """Everything DCP saves or loads for one rank: model + optimizer, layout-free keys."""
+    return {**{f"model.{k}": v for k, v in model_state(trainer).items()},
+            **optimizer_state(trainer, for_load)}
+
+
+def apply_training_state(trainer: "Trainer", loaded: dict[str, torch.Tensor]) -> None:
+    """After DCP loaded into `training_state(trainer, for_load=True)`: finish the install.
+
+    Parameters were loaded in place already; optimizer moments need installing (and slicing to
+    this rank's chunk under ZeRO-1/2).
+    """
+    apply_optimizer_state(trainer, {k: v for k, v in loaded.items() if k.startswith("optim.")})
+    logger.debug("installed training state: %d tensors", len(loaded))

@@ -1,0 +1,189 @@
+"""Fault injection for drills and tests: `--chaos "kill rank=1 at=30; hang rank=0 at=50"`.
+
+The faults are real, not simulated: a killed rank's process gets SIGKILL, a killed node's ranks
+all die and the node is treated as lost, a hung rank stops stepping (its peers block in their
+next collective), a slow rank sleeps so each step takes F times as long, a corrupted checkpoint
+has bytes flipped on storage. A drill is how a user learns to trust a job before it runs on
+hundreds of GPUs for weeks.
+
+Each fault fires once per job, not once per attempt: a restart resumes from an earlier step and
+would otherwise meet the same `at=` again forever. A small Ray actor (the ledger) records what
+fired; a rank claims an event before injecting it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("kill", "hang", "slow", "scale", "corrupt-checkpoint")
+
+
+class ChaosError(ValueError):
+    """A --chaos spec that cannot be parsed; the message names the event and the problem."""
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    kind: str  # kill | hang | slow | scale | corrupt-checkpoint
+    at: int  # fires when the job is about to run step `at`
+    rank: int | None = None
+    node: int | None = None  # placement order: node k holds ranks [k*g, (k+1)*g)
+    factor: float = 1.0
+    nodes: int | None = None  # scale target
+
+    @property
+    def id(self) -> str:
+        target = f"rank={self.rank}" if self.rank is not None else f"node={self.node}"
+        return f"{self.kind}:{target}:at={self.at}:nodes={self.nodes}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def targets(self, rank: int, gpus_per_node: int) -> bool:
+        """Whether this rank injects the fault (controller-side kinds target no rank)."""
+        if self.kind in ("scale", "corrupt-checkpoint"):
+            return False
+        if self.node is not None:
+            return rank // gpus_per_node == self.node
+        return self.rank == rank
+
+
+_FIELD = re.compile(r"^(rank|node|at|factor|nodes)=([^=\s]+)$")
+
+
+def _parse_one(text: str) -> ChaosEvent:
+    words = text.split()
+    kind = words[0]
+    if kind not in KINDS:
+        raise ChaosError(f"--chaos {text!r}: unknown fault {kind!r} (known: {', '.join(KINDS)})")
+    fields: dict[str, str] = {}
+    for word in words[1:]:
+        match = _FIELD.match(word)
+        if not match:
+            raise ChaosError(f"--chaos {text!r}: cannot read {word!r} (expected KEY=VALUE with "
+                             "KEY in rank, node, at, factor, nodes)")
+        fields[match.group(1)] = match.group(2)
+    try:
+        event = ChaosEvent(kind=kind, at=int(fields["at"]),
+                           rank=int(fields["rank"]) if "rank" in fields else None,
+                           node=int(fields["node"]) if "node" in fields else None,
+                           factor=float(fields.get("factor", 1.0)),
+                           nodes=int(fields["nodes"]) if "nodes" in fields else None)
+    except KeyError:
+        raise ChaosError(f"--chaos {text!r}: missing at=STEP") from None
+    except ValueError as err:
+        raise ChaosError(f"--chaos {text!r}: {err}") from None
+    _check(event, text)
+    return event
+
+
+def _check(e: ChaosEvent, text: str) -> None:
+    if e.at < 1:
+        raise ChaosError(f"--chaos {text!r}: at={e.at} must be >= 1")
+    if e.kind == "kill" and (e.rank is None) == (e.node is None):
+        raise ChaosError(f"--chaos {text!r}: kill needs exactly one of rank=R or node=N")
+    if e.kind in ("hang", "slow") and e.rank is None:
+        raise ChaosError(f"--chaos {text!r}: {e.kind} needs rank=R")
+    if e.kind == "slow" and e.factor <= 1.0:
+        raise ChaosError(f"--chaos {text!r}: factor={e.factor} must be > 1")
+    if e.kind == "scale" and (e.nodes is None or e.nodes < 1):
+        raise ChaosError(f"--chaos {text!r}: scale needs nodes=N >= 1")
+
+
+def parse_chaos(spec: str | None) -> list[ChaosEvent]:
+    """Parse `kill rank=R at=STEP; ...` (events separated by `;`)."""
+    if not spec:
+        return []
+    return [_parse_one(part.strip()) for part in spec.split(";") if part.strip()]
+
+
+def validate_for_job(events: list[ChaosEvent], world: int, nodes: int, steps: int) -> None:
+    for e in events:
+        if e.rank is not None and not 0 <= e.rank < world:
+            raise ChaosError(f"--chaos {e.kind} rank={e.rank}: the job has ranks 0..{world - 1}")
+        if e.node is not None and not 0 <= e.node < nodes:
+            raise ChaosError(f"--chaos {e.kind} node={e.node}: the job has nodes 0..{nodes - 1}")
+        if e.at > steps:
+            raise ChaosError(f"--chaos {e.kind} at={e.at}: the job stops at train.steps={steps}")
+
+
+class ChaosLedger:
+    """Ray actor body: remembers which (event, rank) faults already fired in this job."""
+
+    def __init__(self) -> None:
+        self.fired: set[str] = set()
+
+    def claim(self, key: str) -> bool:
+        if key in self.fired:
+            return False
+        self.fired.add(key)
+        return True
+
+    def fired_events(self) -> list[str]:
+        return sorted(self.fired)
+
+
+class ChaosInjector:
+    """Runs inside a rank, between steps: injects the faults that target it."""
+
+    def __init__(self, events: list[dict[str, Any]], rank: int, gpus_per_node: int,
+                 ledger: Any, should_stop: Any) -> None:
+        self.events = [ChaosEvent(**e) for e in events]
+        self.rank, self.gpus_per_node = rank, gpus_per_node
+        self.ledger, self.should_stop = ledger, should_stop
+        self.slow_factor = 1.0
+
+    def _claim(self, event: ChaosEvent) -> bool:
+        import ray
+
+        return bool(ray.get(self.ledger.claim.remote(f"{event.id}:{self.rank}"), timeout=30))
+
+    def before_step(self, step: int) -> None:
+        """Called when this rank is about to run `step` (1-based)."""
+        for e in self.events:
+            if e.at == step and e.targets(self.rank, self.gpus_per_node) and self._claim(e):
+                self._inject(e)
+
+    def _inject(self, e: ChaosEvent) -> None:
+        logger.warning("chaos: injecting %s on rank %d", e.id, self.rank)
+        if e.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif e.kind == "slow":
+            self.slow_factor = e.factor
+        elif e.kind == "hang":
+            # Stop stepping but keep answering heartbeats: only the hang timeout can tell.
+            while not self.should_stop():
+                time.sleep(0.05)
+
+    def after_step(self, step_s: float) -> None:
+        if self.slow_factor > 1.0:
+            time.sleep((self.slow_factor - 1.0) * step_s)
+
+
+def corrupt_newest_checkpoint(uri: str) -> str:
+    """Flip bytes in the middle of the largest shard of the newest committed version."""
+    from checkpoint.catalog import Catalog, version_name
+    from checkpoint.storage import Storage
+
+    catalog = Catalog(Storage(uri))
+    steps = catalog.committed_steps()
+    if not steps:
+        return "no committed checkpoint to corrupt"
+    step = steps[-1]
+    files = catalog.manifest(step).files
+    rel, entry = max(files.items(), key=lambda item: item[1].size)
+    path = f"{version_name(step)}/{rel}"
+    data = bytearray(catalog.storage.read_bytes(path))
+    middle = len(data) // 2
+    for i in range(middle, min(middle + 16, len(data))):
+        data[i] ^= 0xFF
+    catalog.storage.write_bytes(path, bytes(data))
+    logger.warning("chaos: corrupted %s of step %d", rel, step)
+    return f"flipped 16 bytes of {path}"

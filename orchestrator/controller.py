@@ -1,0 +1,264 @@
+"""The job controller: an explicit state machine that executes the policies' decisions.
+
+    PENDING -> PLACING -> RUNNING -> SUCCEEDED
+                  ^          |  \\-> FAILED / CANCELLED
+                  |          v
+                  +----- RECOVERING (stop group, count restart, drop lost nodes)
+
+One transition per loop iteration, each logged with its reason. The controller never decides
+by itself: `FailurePolicy` reads rank health, `ScalingPolicy` picks nodes and layout, and the
+controller only places workers, starts them, stops them and reports. Ranks resume from the
+newest committed checkpoint (resharded into the new layout) inside `run_rank`, and because data
+order and init depend only on (seed, sample index, name), the resumed run reproduces the clean
+run's losses exactly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from enum import Enum
+from typing import Any, Callable
+
+import ray
+
+from orchestrator.chaos import ChaosEvent, ChaosLedger
+from orchestrator.policies import (Action, Capacity, FailureDecision, FailurePolicy, JobSnapshot,
+                                   ScalingPolicy)
+from orchestrator.spec import JobSpec
+from orchestrator.worker_group import PlacementError, WorkerGroup
+from parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+class JobState(str, Enum):
+    PENDING = "PENDING"
+    PLACING = "PLACING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESCALING = "RESCALING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@ray.remote(num_cpus=0)
+def _probe() -> bool:
+    return True
+
+
+class Controller:
+    def __init__(self, spec: JobSpec, chaos: list[ChaosEvent] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 job_id: str | None = None) -> None:
+        self.spec, self.chaos = spec, list(chaos or [])
+        self.job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        self.on_event = on_event or (lambda event: None)
+        self.failure_policy, self.scaling_policy = FailurePolicy(), ScalingPolicy()
+        self.state = JobState.PENDING
+        self.group: WorkerGroup | None = None
+        self.layout: ParallelLayout | None = None
+        self.restarts, self.lost_steps = 0, 0
+        self.step, self.loss, self.max_step_seen = 0, None, 0
+        self.target_nodes = spec.resources.nodes
+        self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
+        self.failure: FailureDecision | None = None
+        self.failed_at: float | None = None
+        self.cause = ""
+        self.cancel_requested = False
+        self.ledger = None
+        self.controller_chaos_fired: set[str] = set()
+        self.submitted_at = time.monotonic()
+
+    # ---- loop --------------------------------------------------------------------------------
+    def run(self) -> JobState:
+        try:
+            while not self.state.terminal:
+                self.step_once()
+        except KeyboardInterrupt:
+            self.cancel_requested = True
+            self._transition(JobState.CANCELLED, "interrupted by the user (Ctrl-C)")
+        finally:
+            self._stop_group()
+        return self.state
+
+    def step_once(self) -> None:
+        if self.cancel_requested and not self.state.terminal:
+            self._stop_group()
+            self._transition(JobState.CANCELLED, "cancel requested")
+            return
+        handler = {JobState.PENDING: self._pending, JobState.PLACING: self._placing,
+                   JobState.RUNNING: self._running, JobState.RECOVERING: self._recovering}
+        handler[self.state]()
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+
+    def _transition(self, new: JobState, reason: str) -> None:
+        logger.info("job %s: %s -> %s: %s", self.job_id, self.state.value, new.value, reason)
+        self.state = new
+        self.emit({"event": "state", "state": new.value, "reason": reason})
+        if new == JobState.FAILED:
+            self.cause = reason
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.on_event({**event, "job": self.job_id})
+
+    # ---- states ------------------------------------------------------------------------------
+    def _pending(self) -> None:
+        self.ledger = ray.remote(ChaosLedger).options(num_cpus=0).remote()
+        self._transition(JobState.PLACING, f"submitted: target {self.target_nodes} node(s) x "
+                         f"{self.spec.resources.gpus_per_node} GPUs")
+
+    def _placing(self) -> None:
+        decision = self.scaling_policy.make_decision(self.spec, self.capacity(), self.target_nodes)
+        if decision.layout is None:
+            self._transition(JobState.FAILED, decision.reason)
+            return
+        logger.info("job %s: layout decision: %s", self.job_id, decision.reason)
+        self.layout = decision.layout
+        self.group = WorkerGroup(self.job_id, self.spec.resources.gpus_per_node)
+        timeout = self.spec.fault_tolerance.hang_timeout_s
+        try:
+            self.group.create(decision.layout, timeout)
+            self.group.start(self.spec.to_dict(), [e.to_dict() for e in self.chaos], self.ledger, timeout)
+        except (PlacementError, ray.exceptions.RayError, TimeoutError) as err:
+            self._fail_or_retry(f"placement failed: {err}", "placement")
+            return
+        self._transition(JobState.RUNNING, f"started {decision.layout.describe()} "
+                         f"({decision.layout.world_size} ranks on {decision.nodes} node(s))")
+
+    def _running(self) -> None:
+        interval = self.spec.fault_tolerance.heartbeat_interval_s
+        records = self.group.poll(interval)
+        self._absorb(records)
+        self._maybe_controller_chaos()
+        snap = JobSnapshot(tuple(self.group.health()), self.restarts,
+                           self.spec.fault_tolerance.max_restarts,
+                           self.spec.fault_tolerance.heartbeat_timeout_s,
+                           self.spec.fault_tolerance.hang_timeout_s, self.spec.resources.gpus_per_node)
+        decision = self.failure_policy.make_decision(snap)
+        if decision.action == Action.CONTINUE:
+            time.sleep(max(0.0, interval - 0.05) if not records else 0.0)
+        elif decision.action == Action.SUCCEED:
+            self.emit({"event": "done", "step": self.step, "loss": self.loss})
+            self._transition(JobState.SUCCEEDED, decision.reason)
+        else:
+            self._on_failure(decision)
+
+    def _on_failure(self, decision: FailureDecision) -> None:
+        self.failure, self.failed_at = decision, time.monotonic()
+        self.emit({"event": "failure", "step": self.max_step_seen, "rank": decision.failed_ranks[0],
+                   "ranks": list(decision.failed_ranks), "cause": decision.reason})
+        if decision.action == Action.FAIL:
+            self._stop_group()
+            self._transition(JobState.FAILED, decision.reason)
+        else:
+            self._transition(JobState.RECOVERING, decision.reason)
+
+    def _recovering(self) -> None:
+        self._mark_lost_nodes()
+        self._stop_group()
+        self.restarts += 1
+        self._transition(JobState.PLACING, f"restart {self.restarts}/"
+                         f"{self.spec.fault_tolerance.max_restarts} after: {self.failure.reason}")
+
+    def _fail_or_retry(self, reason: str, kind: str) -> None:
+        self._stop_group()
+        if self.restarts >= self.spec.fault_tolerance.max_restarts:
+            self._transition(JobState.FAILED, f"{reason}; max_restarts exhausted")
+            return
+        self.failure = FailureDecision(Action.RESTART, reason, (), kind)
+        self.failed_at = self.failed_at or time.monotonic()
+        self._transition(JobState.RECOVERING, reason)
+
+    def _stop_group(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    # ---- records -----------------------------------------------------------------------------
+    def _absorb(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            kind = record.get("event")
+            if kind == "started" and record["rank"] == 0:
+                self._on_started(record)
+            elif kind == "step":
+                self.max_step_seen = max(self.max_step_seen, record["step"])
+                if record["rank"] == 0:
+                    self.step, self.loss = record["step"], record["loss"]
+                    self.emit({k: v for k, v in record.items() if k != "rank"})
+            elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
+                self.emit({k: v for k, v in record.items() if k != "rank"})
+
+    def _on_started(self, record: dict[str, Any]) -> None:
+        if self.failed_at is None:
+            return
+        resumed = record["step"]
+        lost = max(0, self.max_step_seen - resumed)
+        self.lost_steps += lost
+        self.emit({"event": "recovered", "step": resumed, "layout": self.layout.degrees(),
+                   "world_size": self.layout.world_size, "lost_steps": lost,
+                   "seconds": round(time.monotonic() - self.failed_at, 3)})
+        self.failed_at = None
+
+    # ---- capacity ----------------------------------------------------------------------------
+    def capacity(self) -> Capacity:
+        g = self.spec.resources.gpus_per_node
+        nodes, parts = 0, []
+        for node in ray.nodes():
+            gpus = int(node.get("Resources", {}).get("GPU", 0)) if node.get("Alive") else 0
+            usable = max(0, gpus - self.lost_slots.get(node["NodeID"], 0)) // g
+            nodes += usable
+            if gpus:
+                parts.append(f"{node['NodeID'][:8]}: {usable} node(s)")
+        return Capacity(nodes, f"({', '.join(parts)})")
+
+    def _mark_lost_nodes(self) -> None:
+        """A node-sized block whose every rank is gone is lost if its Ray node does not answer
+        a probe, or a chaos `kill node` targeted it."""
+        if self.group is None or self.failure is None:
+            return
+        failed, g = set(self.failure.failed_ranks), self.spec.resources.gpus_per_node
+        for k in range(-(-len(self.group.ranks) // g)):
+            block = self.group.ranks[k * g:(k + 1) * g]
+            if not block or not all(h.rank in failed for h in block):
+                continue
+            if self._node_answers(block[0].node_id) and not self._chaos_killed(k):
+                continue
+            self.lost_slots[block[0].node_id] = self.lost_slots.get(block[0].node_id, 0) + len(block)
+            logger.warning("job %s: node block %d (Ray node %s) lost", self.job_id, k, block[0].node_id[:8])
+
+    def _node_answers(self, node_id: str) -> bool:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ref = _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        try:
+            return bool(ray.get(ref, timeout=self.spec.fault_tolerance.heartbeat_timeout_s))
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+
+    def _chaos_killed(self, node_block: int) -> bool:
+        return any(e.kind == "kill" and e.node == node_block and e.at <= self.max_step_seen + 1
+                   for e in self.chaos)
+
+    def _maybe_controller_chaos(self) -> None:
+        for e in self.chaos:
+            if e.kind == "corrupt-checkpoint" and e.id not in self.controller_chaos_fired \
+                    and self.max_step_seen + 1 >= e.at:
+                self.controller_chaos_fired.add(e.id)
+                from orchestrator.chaos import corrupt_newest_checkpoint
+
+                self.emit({"event": "chaos", "kind": e.kind,
+                           "detail": corrupt_newest_checkpoint(self.spec.checkpoint.uri)})
+
+    def status(self) -> dict[str, Any]:
+        return {"job": self.job_id, "state": self.state.value, "step": self.step, "loss": self.loss,
+                "layout": self.layout.degrees() if self.layout else None,
+                "world_size": self.layout.world_size if self.layout else 0,
+                "restarts": self.restarts, "lost_steps": self.lost_steps, "cause": self.cause}

@@ -1,0 +1,121 @@
+"""`tenax run`: run one job in the foreground on Ray, with a progress bar and a JSON log.
+
+Without `--address` an embedded local Ray is started (on 127.0.0.1, private temp dir, one fake
+GPU slot per rank when the machine has none) and shut down afterwards. Exit code 0 only when
+the job reached train.steps. Ctrl-C stops the workers; committed checkpoints stay intact, so
+running the same command again resumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from typing import Any, Iterator, TextIO
+
+from orchestrator.chaos import parse_chaos, validate_for_job
+from orchestrator.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, spec: JobSpec) -> Iterator[None]:
+    """Connect to a cluster, or start (and later stop) an embedded one on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        slots = spec.resources.max_nodes * spec.resources.gpus_per_node
+        tmp = tempfile.mkdtemp(prefix="tenax-ray-")
+        ray.init(num_cpus=max(os.cpu_count() or 1, slots), num_gpus=slots,
+                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
+                 log_to_driver=False, configure_logging=False)
+        logger.info("started an embedded Ray with %d GPU slots (temp dir %s)", slots, tmp)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class EventSink:
+    """Fans each event out to the JSON log, the console and an optional extra callback."""
+
+    def __init__(self, log_json: str | None, console: Any, progress: Any, task: Any,
+                 steps: int) -> None:
+        self.file: TextIO | None = open(log_json, "a") if log_json else None
+        self.console, self.progress, self.task, self.steps = console, progress, task, steps
+        self.extra: list[Any] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps({k: v for k, v in event.items() if k != "job"}) + "\n")
+            self.file.flush()
+        for callback in self.extra:
+            callback(event)
+        kind = event.get("event")
+        if kind == "step" and self.progress is not None:
+            layout = " ".join(f"{k}{v}" for k, v in event["layout"].items() if v > 1 or k == "zero")
+            self.progress.update(self.task, completed=event["step"],
+                                 description=f"loss {event['loss']:.4f} | "
+                                 f"{event['tokens_per_s']:.0f} tok/s | {layout}")
+        elif kind in ("failure", "recovered", "checkpoint_failed", "done", "chaos", "scaled") or \
+                (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
+            self.console.print(_human(event))
+        elif kind == "checkpoint":
+            self.console.print(f"[dim]checkpoint step {event['step']}: blocked "
+                               f"{event.get('blocked_s', 0):.3f} s, total {event.get('total_s', 0):.2f} s[/dim]")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def _human(event: dict[str, Any]) -> str:
+    kind = event["event"]
+    if kind == "failure":
+        return f"[red]failure[/red] at step {event['step']}: {event['cause']}"
+    if kind == "recovered":
+        layout = " ".join(f"{k}{v}" for k, v in event["layout"].items())
+        return (f"[green]recovered[/green] from step {event['step']} in {event['seconds']:.1f} s "
+                f"on {layout} ({event['lost_steps']} step(s) lost)")
+    if kind == "state":
+        return f"job {event['state']}: {event['reason']}"
+    return json.dumps({k: v for k, v in event.items() if k != "job"})
+
+
+def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
+            address: str | None = None, metrics_port: int | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from orchestrator.controller import Controller, JobState
+
+    chaos = parse_chaos(chaos_spec)
+    validate_for_job(chaos, spec.resources.world_size, spec.resources.nodes, spec.train.steps)
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                        transient=False)
+    with ray_session(address, spec), progress:
+        task = progress.add_task("starting", total=spec.train.steps, name=spec.name)
+        sink = EventSink(log_json, console, progress, task, spec.train.steps)
+        controller = Controller(spec, chaos, sink)
+        if metrics_port:
+            from orchestrator.metrics import serve_metrics
+
+            serve_metrics(controller, metrics_port, sink)
+        try:
+            state = controller.run()
+        finally:
+            sink.close()
+    console.print(f"job {controller.job_id}: {state.value} at step {controller.step}"
+                  + (f" ({controller.cause})" if controller.cause else ""))
+    return 0 if state == JobState.SUCCEEDED and controller.step >= spec.train.steps else 1
