@@ -18,7 +18,7 @@ import re
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -118,53 +118,63 @@ class ChaosLedger:
     """Ray actor body: remembers which (event, rank) faults already fired in this job."""
 
     def __init__(self) -> None:
-        self.fired: set[str] = set()
+        self.fired: dict[str, float] = {}
 
     def claim(self, key: str) -> bool:
         if key in self.fired:
             return False
-        self.fired.add(key)
+        self.fired[key] = time.time()  # when it fired: detection latency is measured from here
         return True
 
-    def fired_events(self) -> list[str]:
-        return sorted(self.fired)
+    def fired_events(self) -> dict[str, float]:
+        return dict(self.fired)
 
 
 class ChaosInjector:
-    """Runs inside a rank, between steps: injects the faults that target it."""
+    """Runs inside a rank's training process, between steps: injects the faults aimed at it."""
 
     def __init__(self, events: list[dict[str, Any]], rank: int, gpus_per_node: int,
-                 ledger: Any, should_stop: Any) -> None:
+                 claim: Callable[[str], bool], node_killable: bool = False) -> None:
         self.events = [ChaosEvent(**e) for e in events]
         self.rank, self.gpus_per_node = rank, gpus_per_node
-        self.ledger, self.should_stop = ledger, should_stop
+        self.claim, self.node_killable = claim, node_killable
         self.slow_factor = 1.0
-
-    def _claim(self, event: ChaosEvent) -> bool:
-        import ray
-
-        return bool(ray.get(self.ledger.claim.remote(f"{event.id}:{self.rank}"), timeout=30))
 
     def before_step(self, step: int) -> None:
         """Called when this rank is about to run `step` (1-based)."""
         for e in self.events:
-            if e.at == step and e.targets(self.rank, self.gpus_per_node) and self._claim(e):
+            if e.at == step and e.targets(self.rank, self.gpus_per_node) \
+                    and self.claim(f"{e.id}:{self.rank}"):
                 self._inject(e)
 
     def _inject(self, e: ChaosEvent) -> None:
         logger.warning("chaos: injecting %s on rank %d", e.id, self.rank)
+        if e.kind == "kill" and e.node is not None and self.node_killable:
+            _kill_raylet()
         if e.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif e.kind == "slow":
             self.slow_factor = e.factor
         elif e.kind == "hang":
-            # Stop stepping but keep answering heartbeats: only the hang timeout can tell.
-            while not self.should_stop():
-                time.sleep(0.05)
+            # Stop stepping but keep the process (and its heartbeats) alive: only the hang
+            # timeout can tell. The controller kills this process when it recovers.
+            while True:
+                time.sleep(1.0)
 
     def after_step(self, step_s: float) -> None:
         if self.slow_factor > 1.0:
             time.sleep((self.slow_factor - 1.0) * step_s)
+
+
+def _kill_raylet() -> None:
+    """A real node loss: SIGKILL the raylet this process runs under (never the head's)."""
+    import psutil
+
+    for parent in psutil.Process(os.getpid()).parents():
+        if parent.name() == "raylet":
+            logger.warning("chaos: killing raylet pid %d", parent.pid)
+            parent.kill()
+            return
 
 
 def corrupt_newest_checkpoint(uri: str) -> str:

@@ -72,6 +72,7 @@ class Controller:
         self.cause = ""
         self.cancel_requested = False
         self.ledger = None
+        self.head_node = ""
         self.controller_chaos_fired: set[str] = set()
         self.submitted_at = time.monotonic()
 
@@ -112,6 +113,8 @@ class Controller:
     # ---- states ------------------------------------------------------------------------------
     def _pending(self) -> None:
         self.ledger = ray.remote(ChaosLedger).options(num_cpus=0).remote()
+        # The driver runs on the head node; a `kill node` drill must never take it down.
+        self.head_node = ray.get_runtime_context().get_node_id()
         self._transition(JobState.PLACING, f"submitted: target {self.target_nodes} node(s) x "
                          f"{self.spec.resources.gpus_per_node} GPUs")
 
@@ -122,16 +125,38 @@ class Controller:
             return
         logger.info("job %s: layout decision: %s", self.job_id, decision.reason)
         self.layout = decision.layout
-        self.group = WorkerGroup(self.job_id, self.spec.resources.gpus_per_node)
-        timeout = self.spec.fault_tolerance.hang_timeout_s
         try:
-            self.group.create(decision.layout, timeout)
-            self.group.start(self.spec.to_dict(), [e.to_dict() for e in self.chaos], self.ledger, timeout)
+            reuse = self._place_and_start(decision.layout)
         except (PlacementError, ray.exceptions.RayError, TimeoutError) as err:
             self._fail_or_retry(f"placement failed: {err}", "placement")
             return
+        self.emit({"event": "placed", "layout": decision.layout.degrees(),
+                   "world_size": decision.layout.world_size, "reason": decision.reason,
+                   "nodes": [h.node_id for h in self.group.ranks],
+                   "ips": [h.ip for h in self.group.ranks], **reuse})
         self._transition(JobState.RUNNING, f"started {decision.layout.describe()} "
                          f"({decision.layout.world_size} ranks on {decision.nodes} node(s))")
+
+    def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
+        """Warm: reuse live actors and fork new training processes. Cold fallback: new group."""
+        timeout = self.spec.fault_tolerance.hang_timeout_s
+        chaos = [e.to_dict() for e in self.chaos]
+        if self.group is None:
+            self.group = WorkerGroup(self.job_id, self.spec.resources.gpus_per_node)
+        try:
+            reuse = self.group.create(layout, timeout)
+            self.group.start(self.spec.to_dict(), chaos, self.ledger, timeout, self.head_node)
+            return {**reuse, "mode": "warm" if reuse["reused"] else "cold"}
+        except (PlacementError, ray.exceptions.RayError, TimeoutError) as err:
+            if not self.group.blocks and not self.group.ranks:
+                raise
+            logger.warning("job %s: warm re-join failed (%s); falling back to a cold start",
+                           self.job_id, err)
+        self._stop_group()
+        self.group = WorkerGroup(self.job_id, self.spec.resources.gpus_per_node)
+        reuse = self.group.create(layout, timeout)
+        self.group.start(self.spec.to_dict(), chaos, self.ledger, timeout, self.head_node)
+        return {**reuse, "mode": "cold"}
 
     def _running(self) -> None:
         interval = self.spec.fault_tolerance.heartbeat_interval_s
@@ -163,7 +188,6 @@ class Controller:
 
     def _recovering(self) -> None:
         self._mark_lost_nodes()
-        self._stop_group()
         self.restarts += 1
         self._transition(JobState.PLACING, f"restart {self.restarts}/"
                          f"{self.spec.fault_tolerance.max_restarts} after: {self.failure.reason}")
@@ -232,6 +256,7 @@ class Controller:
             if self._node_answers(block[0].node_id) and not self._chaos_killed(k):
                 continue
             self.lost_slots[block[0].node_id] = self.lost_slots.get(block[0].node_id, 0) + len(block)
+            self.group.mark_lost(block[0].node_id)
             logger.warning("job %s: node block %d (Ray node %s) lost", self.job_id, k, block[0].node_id[:8])
 
     def _node_answers(self, node_id: str) -> bool:

@@ -58,6 +58,9 @@ def _rank_problem(r: "RankHealth", snap: JobSnapshot) -> tuple[int, int, str, st
     if r.heartbeat_age_s > snap.heartbeat_timeout_s:
         return 1, r.rank, "heartbeat", (f"rank {r.rank} missed heartbeats for {r.heartbeat_age_s:.1f} s "
                                 f"(heartbeat_timeout_s={snap.heartbeat_timeout_s})")
+    if r.state == "failed" and (r.error or "").startswith("rank process"):
+        # The process itself died (signal, exit code): a root cause, unlike its peers' errors.
+        return 0, r.rank, "dead", f"rank {r.rank} died: {r.error}"
     if r.state == "failed":
         return 3, r.rank, "error", f"rank {r.rank} failed: {r.error}"
     limit = snap.hang_timeout_s * (STARTUP_HANG_FACTOR if r.state == "starting" else 1.0)

@@ -79,6 +79,9 @@ class EventSink:
 
 
 def _human(event: dict[str, Any]) -> str:
+    from rich.markup import escape
+
+    event = {k: escape(v) if isinstance(v, str) else v for k, v in event.items()}
     kind = event["event"]
     if kind == "failure":
         return f"[red]failure[/red] at step {event['step']}: {event['cause']}"

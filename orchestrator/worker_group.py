@@ -5,6 +5,11 @@ since the layout orders ranks with tp fastest, every tp group (and cp/ep group w
 one node, while pp and dp span nodes. After placement the actors' real node ids are checked
 against that promise, so a mis-placement is an error, not a silent slowdown.
 
+Warm recovery: actors (and their placement groups) outlive a failed attempt. `reuse()` keeps
+every node block whose actors are alive, replaces dead actors inside their block, drops blocks
+on lost nodes and adds blocks for new nodes; `start()` then only forks fresh training
+processes. `shutdown()` is the cold fallback.
+
 All calls that can block take a timeout; heartbeats are polled with at most one request in
 flight per rank, so a dead node shows up as a heartbeat that stops answering.
 """
@@ -41,6 +46,7 @@ class RankHandle:
     pending_since: float = 0.0
     last_reply: float = field(default_factory=time.monotonic)
     n_events: int = 0
+    attempt: int = 0  # the training process this handle listens to (older replies are dropped)
     step_seen_at: float = field(default_factory=time.monotonic)  # controller clock, no skew
     status: dict[str, Any] = field(default_factory=dict)
     dead: str | None = None  # why Ray says this actor is gone
@@ -62,40 +68,80 @@ class RankHealth:
 class WorkerGroup:
     def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5) -> None:
         self.job_id, self.gpus_per_node, self.cpus_per_rank = job_id, gpus_per_node, cpus_per_rank
-        self.ranks: list[RankHandle] = []
-        self.pgs: list[Any] = []
+        self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
+        self.blocks: list[dict[str, Any]] = []  # per node: placement group + g actor slots
         self.layout: ParallelLayout | None = None
 
     # ---- placement ---------------------------------------------------------------------------
-    def create(self, layout: ParallelLayout, timeout_s: float) -> None:
-        """Reserve the slots and start one actor per rank; PlacementError on timeout."""
+    def create(self, layout: ParallelLayout, timeout_s: float) -> dict[str, int]:
+        """Reserve slots and actors for `layout`, reusing live ones; PlacementError on timeout.
+
+        Returns how many actors were reused and created (warm vs cold work)."""
         self.layout = layout
-        world, g = layout.world_size, self.gpus_per_node
-        sizes = [min(g, world - k * g) for k in range(math.ceil(world / g))]
-        bundle = {"GPU": 1.0, "CPU": self.cpus_per_rank}
-        self.pgs = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
-                                    name=f"tenax-{self.job_id}-node{i}") for i, n in enumerate(sizes)]
-        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs),
-                            timeout=timeout_s)
-        if len(ready) < len(self.pgs):
+        g = self.gpus_per_node
+        needed = math.ceil(layout.world_size / g)
+        keep = [b for b in self.blocks if b["lost"] is False][:needed]
+        for block in self.blocks:
+            if block not in keep:
+                self._remove_block(block)
+        reused = sum(1 for b in keep for h in b["slots"] if h.dead is None)
+        self.blocks = keep
+        for block in self.blocks:
+            self._replace_dead(block)
+        new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
+        ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
+        if len(ready) < len(new):
             self.shutdown()
-            raise PlacementError(f"placing {world} ranks ({len(sizes)} nodes x {g} GPUs) did not "
-                                 f"finish within {timeout_s:.0f} s; not enough free GPUs?")
-        actor_cls = ray.remote(RankWorker)
-        for rank in range(world):
-            pg, index = self.pgs[rank // g], rank % g
-            actor = actor_cls.options(
-                num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=4,
-                name=f"tenax-{self.job_id}-rank{rank}-{time.monotonic_ns()}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index)).remote()
-            self.ranks.append(RankHandle(rank, actor))
+            raise PlacementError(f"placing {layout.world_size} ranks ({needed} nodes x {g} GPUs) "
+                                 f"did not finish within {timeout_s:.0f} s; not enough free GPUs?")
+        for block in new:
+            block["slots"] = [self._new_actor(block["pg"], i) for i in range(g)]
+        self.blocks.extend(new)
+        slots = [h for b in self.blocks for h in b["slots"]]
+        self.ranks = slots[:layout.world_size]
         self._collect_info(timeout_s)
+        return {"reused": reused, "created": len(slots) - reused}
+
+    def _new_block(self, index: int) -> dict[str, Any]:
+        bundle = {"GPU": 1.0, "CPU": self.cpus_per_rank}
+        pg = placement_group([dict(bundle) for _ in range(self.gpus_per_node)],
+                             strategy="STRICT_PACK", name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
+        return {"pg": pg, "slots": [], "lost": False, "index": index}
+
+    def _new_actor(self, pg: Any, index: int) -> RankHandle:
+        actor = ray.remote(RankWorker).options(
+            num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index)).remote()
+        return RankHandle(-1, actor)
+
+    def _replace_dead(self, block: dict[str, Any]) -> None:
+        for i, h in enumerate(block["slots"]):
+            if h.dead is not None:
+                _kill_quietly(h.actor)
+                block["slots"][i] = self._new_actor(block["pg"], i)
+
+    def _remove_block(self, block: dict[str, Any]) -> None:
+        for h in block["slots"]:
+            _kill_quietly(h.actor)
+        try:
+            remove_placement_group(block["pg"])
+        except Exception as err:  # its node may be gone already
+            logger.debug("remove placement group: %s", err)
+
+    def mark_lost(self, node_id: str) -> None:
+        """A node is gone: its blocks are never reused (their actors die with it)."""
+        for block in self.blocks:
+            if any(h.node_id == node_id for h in block["slots"]):
+                block["lost"] = True
 
     def _collect_info(self, timeout_s: float) -> None:
-        infos = ray.get([h.actor.info.remote() for h in self.ranks], timeout=timeout_s)
-        for handle, info in zip(self.ranks, infos):
+        slots = [h for b in self.blocks for h in b["slots"]]
+        infos = ray.get([h.actor.info.remote() for h in slots], timeout=timeout_s)
+        for handle, info in zip(slots, infos):
             handle.node_id, handle.ip, handle.pid = info["node_id"], info["ip"], info["pid"]
+        for rank, handle in enumerate(self.ranks):
+            handle.rank = rank
         for group in self.layout.groups("tp"):
             nodes = {self.ranks[r].node_id for r in group}
             if len(nodes) > 1:
@@ -108,19 +154,36 @@ class WorkerGroup:
 
     # ---- run ---------------------------------------------------------------------------------
     def start(self, spec: dict[str, Any], chaos: list[dict[str, Any]], ledger: Any,
-              timeout_s: float) -> tuple[str, int]:
-        """Rendezvous on rank 0's node and start every rank's training thread."""
+              timeout_s: float, head_node: str = "") -> tuple[str, int]:
+        """Rendezvous on rank 0's node and (re)start every rank's training process."""
+        self.stop_training(timeout_s)
         addr = self.ranks[0].ip
         port = ray.get(self.ranks[0].actor.free_port.remote(), timeout=timeout_s)
-        now = time.monotonic()
         refs = []
         for h in self.ranks:
             run = RankRun(spec, self.layout.to_dict(), h.rank, len(self.ranks), addr, port,
-                          self.gpus_per_node, chaos, ledger)
+                          self.gpus_per_node, chaos, ledger, node_killable=h.node_id != head_node)
             refs.append(h.actor.start.remote(run))
-            h.last_reply, h.step_seen_at, h.n_events, h.pending, h.dead = now, now, 0, None, None
-        ray.get(refs, timeout=timeout_s)
+        attempts = ray.get(refs, timeout=timeout_s)
+        now = time.monotonic()
+        for h, attempt in zip(self.ranks, attempts):
+            h.attempt, h.last_reply, h.step_seen_at = attempt, now, now
+            h.n_events, h.pending, h.dead, h.status = 0, None, None, {}
         return addr, port
+
+    def stop_training(self, timeout_s: float) -> None:
+        """Kill every slot's training process (not the actors): survivors stay warm."""
+        slots = [h for b in self.blocks for h in b["slots"] if h.dead is None]
+        refs = [h.actor.stop.remote() for h in slots]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for h, ref in zip(slots, refs):
+            if ref not in ready:
+                h.dead = "did not stop its training process in time"
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                h.dead = f"{type(err).__name__}"
 
     def poll(self, wait_s: float) -> list[dict[str, Any]]:
         """Send heartbeats where none is in flight, collect replies; returns new records."""
@@ -150,6 +213,8 @@ class WorkerGroup:
         finally:
             h.pending = None
         h.last_reply = time.monotonic()
+        if reply["attempt"] != h.attempt:
+            return []  # an answer about the previous training process
         events = reply.pop("events")
         h.n_events = reply["n_events"]
         if reply["step"] != h.status.get("step") or reply["state"] != h.status.get("state"):
@@ -167,14 +232,13 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement groups (never blocks for long)."""
-        for h in self.ranks:
-            try:
-                ray.kill(h.actor, no_restart=True)
-            except Exception as err:  # already dead: nothing to release
-                logger.debug("kill rank %d: %s", h.rank, err)
-        for pg in self.pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception as err:
-                logger.debug("remove placement group: %s", err)
-        self.ranks, self.pgs = [], []
+        for block in self.blocks:
+            self._remove_block(block)
+        self.ranks, self.blocks = [], []
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as err:  # already dead: nothing to release
+        logger.debug("kill actor: %s", err)

@@ -1,27 +1,35 @@
-"""RankWorker: the Ray actor that runs one rank of a job.
+"""RankWorker: the Ray actor that owns one rank slot — an agent around a training process.
 
-Training runs in a thread of a *threaded* actor so that `heartbeat()` keeps answering while the
-rank computes or sits in a collective: a silent heartbeat then really means a dead process or
-node, and a heartbeat whose step does not advance means a hang. Step and checkpoint records
-are buffered here and fetched by the controller with each heartbeat, so no rank ever blocks on
-the controller.
+The actor is long-lived; the rank's training runs in a *child process* forked from a
+forkserver that has torch and Tenax preloaded. Why:
+- Fast recovery: when any rank fails, the survivors' children are killed at once (a gloo
+  collective whose peer died would otherwise block until its timeout), and new children fork
+  in well under a second with torch already imported — no new actor, no new interpreter. Only
+  slots whose actor or node died need new actors (warm recovery).
+- Honest health: the actor is threaded, so `heartbeat()` answers while the child computes or
+  sits in a collective; a silent heartbeat means a dead process or node, a step that does not
+  advance means a hang, and a child that exits is reported with its exit code or signal.
+- A rank's process can die (Xid error, OOM kill, `kill rank` drill) without taking the slot's
+  placement with it.
+
+Step and checkpoint records flow child -> actor over a pipe and are fetched by the controller
+with each heartbeat, so no rank ever blocks on the controller.
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-
-class StopTraining(Exception):
-    """Raised inside the training thread when the controller asked this rank to stop."""
+PRELOAD = ["torch", "torch.distributed", "workers.launch", "workers.trainer", "parallel.parallelize"]
 
 
 @dataclass
@@ -36,6 +44,7 @@ class RankRun:
     gpus_per_node: int
     chaos: list[dict[str, Any]] = field(default_factory=list)
     ledger: Any = None
+    node_killable: bool = False  # a `kill node` drill may kill this node's raylet
 
 
 @dataclass
@@ -43,23 +52,59 @@ class RankStatus:
     rank: int
     state: str = "idle"  # idle | starting | training | done | failed | stopped
     step: int = 0
-    step_changed_at: float = 0.0  # wall clock (time.time) of the last step change
     error: str | None = None
     tokens_per_s: float = 0.0
     rank_tokens_per_s: float = 0.0
     step_s: float = 0.0
     loss: float | None = None
+    child_pid: int | None = None
+    attempt: int = 0
+
+
+def _child_main(run: RankRun, conn: Any) -> None:
+    """Entry point of the training process (runs in a forkserver child)."""
+    from orchestrator.chaos import ChaosInjector
+    from workers.launch import run_rank
+
+    def claim(key: str) -> bool:
+        conn.send(("claim", key))
+        return bool(conn.recv())
+
+    injector = ChaosInjector(run.chaos, run.rank, run.gpus_per_node, claim, run.node_killable)
+
+    def on_record(record: dict[str, Any]) -> None:
+        if record.get("event") == "step":
+            injector.after_step(record.get("step_s", 0.0))
+        conn.send(("record", record))
+        if record.get("event") in ("step", "started"):
+            injector.before_step(record["step"] + 1)
+
+    try:
+        run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port, on_step=on_record)
+        conn.send(("done", None))
+    except BaseException as err:  # every failure reaches the controller with its cause
+        conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
 class RankWorker:
-    """Ray actor body (decorated in `orchestrator.worker_group` with resources per slot)."""
+    """Ray actor body (made remote in `orchestrator.worker_group` with its slot's resources)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._status = RankStatus(rank=-1)
         self._events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._proc: Any = None
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ledger: Any = None
+        self._attempt = 0
+        threading.Thread(target=self._warm_up, daemon=True).start()
+
+    def _warm_up(self) -> None:
+        """Start the forkserver now, so its imports overlap placement, not recovery."""
+        proc = self._ctx.Process(target=time.sleep, args=(0,), daemon=True)
+        proc.start()
+        proc.join(timeout=120)
 
     # ---- identity and rendezvous -------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -78,46 +123,65 @@ class RankWorker:
             return s.getsockname()[1]
 
     # ---- training ----------------------------------------------------------------------------
-    def start(self, run: RankRun) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"rank {run.rank}: already training")
-        self._stop.clear()
+    def start(self, run: RankRun) -> int:
+        """(Re)start this slot's training process for a new rendezvous; returns the attempt
+        number, which tags every later heartbeat so stale answers can be told apart."""
+        self.stop()
+        self._ledger, self._attempt = run.ledger, self._attempt + 1
+        parent, child = self._ctx.Pipe()
+        # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
+        # asks us to claim chaos events over the pipe instead.
+        proc = self._ctx.Process(target=_child_main, args=(replace(run, ledger=None), child),
+                                 daemon=True, name=f"tenax-rank-{run.rank}")
+        proc.start()
+        child.close()
         with self._lock:
-            self._status = RankStatus(rank=run.rank, state="starting", step_changed_at=time.time())
+            self._proc = proc
+            self._status = RankStatus(rank=run.rank, state="starting", child_pid=proc.pid,
+                                      attempt=self._attempt)
             self._events = []
-        self._thread = threading.Thread(target=self._train, args=(run,), daemon=True,
-                                        name=f"tenax-rank-{run.rank}")
-        self._thread.start()
+        threading.Thread(target=self._read, args=(parent, proc, self._attempt), daemon=True).start()
+        return self._attempt
 
-    def _train(self, run: RankRun) -> None:
-        from orchestrator.chaos import ChaosInjector
-        from workers.launch import run_rank
-
-        injector = ChaosInjector(run.chaos, run.rank, run.gpus_per_node, run.ledger,
-                                 self._stop.is_set)
-        try:
-            run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
-                     on_step=lambda record: self._on_record(record, injector))
-            self._set(state="done")
-        except StopTraining:
-            self._set(state="stopped")
-        except BaseException as err:  # every failure reaches the controller with its cause
-            logger.error("rank %d failed: %s", run.rank, traceback.format_exc())
-            self._set(state="failed", error=f"{type(err).__name__}: {err}")
-
-    def _on_record(self, record: dict[str, Any], injector: Any) -> None:
-        if record.get("event") == "step":
-            injector.after_step(record.get("step_s", 0.0))
-            self._set(state="training", step=record["step"], step_changed_at=time.time(),
-                      loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s", 0.0),
-                      rank_tokens_per_s=record.get("rank_tokens_per_s", 0.0),
-                      step_s=record.get("step_s", 0.0))
+    def _read(self, conn: Any, proc: Any, attempt: int) -> None:
+        """Pump the child's messages until it exits; then record how it ended."""
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                break
+            if attempt != self._attempt:
+                return  # a newer attempt owns the status now
+            self._handle(kind, payload, conn)
+        proc.join(timeout=5)
         with self._lock:
+            if attempt == self._attempt and self._status.state in ("starting", "training"):
+                self._status.state = "failed"
+                self._status.error = _exit_reason(proc.exitcode)
+
+    def _handle(self, kind: str, payload: Any, conn: Any) -> None:
+        if kind == "claim":
+            import ray
+
+            conn.send(bool(ray.get(self._ledger.claim.remote(payload), timeout=30)))
+        elif kind == "record":
+            self._on_record(payload)
+        elif kind == "done":
+            self._set(state="done")
+        elif kind == "error":
+            self._set(state="failed", error=payload)
+
+    def _on_record(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if record.get("event") == "step":
+                s = self._status
+                s.state, s.step, s.loss = "training", record["step"], record.get("loss")
+                s.tokens_per_s = record.get("tokens_per_s", 0.0)
+                s.rank_tokens_per_s = record.get("rank_tokens_per_s", 0.0)
+                s.step_s = record.get("step_s", 0.0)
+            elif record.get("event") == "started":
+                self._status.step = record["step"]
             self._events.append(record)
-        if self._stop.is_set():
-            raise StopTraining()
-        if record.get("event") in ("step", "started"):
-            injector.before_step(record["step"] + 1)
 
     def _set(self, **changes: Any) -> None:
         with self._lock:
@@ -131,9 +195,21 @@ class RankWorker:
                     "n_events": len(self._events), "time": time.time()}
 
     def stop(self, timeout_s: float = 5.0) -> bool:
-        """Ask the training thread to stop at its next step boundary; True if it did."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-            return not self._thread.is_alive()
-        return True
+        """Kill the training process (it may be blocked in a collective); True when gone."""
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return True
+        with self._lock:
+            self._attempt += 1  # the reader of the old process must not overwrite the status
+            self._status.state = "stopped"
+        proc.kill()
+        proc.join(timeout=timeout_s)
+        return not proc.is_alive()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "rank process did not exit"
+    if code < 0:
+        return f"rank process killed by signal {signal.Signals(-code).name}"
+    return f"rank process exited with code {code}"
