@@ -12,6 +12,8 @@ import logging
 import sys
 from typing import Any, Callable
 
+from checkpoint.cli import register as register_ckpt
+
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
@@ -180,6 +182,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if not args.address:  # an embedded Ray stays on loopback; must precede `import ray`
+        from orchestrator.loopback import loopback_env
+
+        loopback_env()
     from orchestrator.runner import run_job
     from orchestrator.spec import load_spec
 
@@ -198,7 +204,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data, register_ckpt]
 
 
 def build_parser() -> argparse.ArgumentParser:

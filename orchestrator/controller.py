@@ -23,8 +23,12 @@ from typing import Any, Callable
 import ray
 
 from orchestrator.chaos import ChaosEvent, ChaosLedger
+from orchestrator.goodput import Goodput
+from orchestrator.health import StragglerFlag, StragglerTracker, eviction_plan
 from orchestrator.policies import (Action, Capacity, FailureDecision, FailurePolicy, JobSnapshot,
                                    ScalingPolicy)
+
+CAPACITY_CHECK_S = 2.0  # how often a running job looks for nodes that joined (cheap GCS call)
 from orchestrator.spec import JobSpec
 from orchestrator.worker_group import PlacementError, WorkerGroup
 from parallel.layout import ParallelLayout
@@ -75,6 +79,13 @@ class Controller:
         self.head_node = ""
         self.controller_chaos_fired: set[str] = set()
         self.submitted_at = time.monotonic()
+        self.goodput = Goodput(self.submitted_at)
+        self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
+        self.rescale_from: tuple[ParallelLayout, float] | None = None
+        self.scale_pending: dict[str, Any] | None = None
+        self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
+        # Called after every heartbeat poll with (controller, records), e.g. metrics.observe.
+        self.observers: list[Callable[["Controller", list[dict[str, Any]]], None]] = []
 
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> JobState:
@@ -94,15 +105,32 @@ class Controller:
             self._transition(JobState.CANCELLED, "cancel requested")
             return
         handler = {JobState.PENDING: self._pending, JobState.PLACING: self._placing,
-                   JobState.RUNNING: self._running, JobState.RECOVERING: self._recovering}
+                   JobState.RUNNING: self._running, JobState.RECOVERING: self._recovering,
+                   JobState.RESCALING: self._rescaling}
         handler[self.state]()
 
     def cancel(self) -> None:
         self.cancel_requested = True
 
+    def scale(self, nodes: int) -> None:
+        """Set the target node count (clamped to [min_nodes, max_nodes] by the policy)."""
+        r = self.spec.resources
+        if not r.min_nodes <= nodes <= r.max_nodes:
+            raise ValueError(f"nodes: {nodes} is outside [min_nodes={r.min_nodes}, "
+                             f"max_nodes={r.max_nodes}]")
+        logger.info("job %s: target nodes %d -> %d (requested)", self.job_id, self.target_nodes, nodes)
+        self.target_nodes = nodes
+        self.next_capacity_check = 0.0
+
     def _transition(self, new: JobState, reason: str) -> None:
         logger.info("job %s: %s -> %s: %s", self.job_id, self.state.value, new.value, reason)
         self.state = new
+        phase = {JobState.PLACING: "placement", JobState.RUNNING: "startup",
+                 JobState.RECOVERING: "recovery", JobState.RESCALING: "recovery"}.get(new)
+        if phase:
+            self.goodput.begin(phase)
+        else:
+            self.goodput.end()
         self.emit({"event": "state", "state": new.value, "reason": reason})
         if new == JobState.FAILED:
             self.cause = reason
@@ -130,6 +158,7 @@ class Controller:
         except (PlacementError, ray.exceptions.RayError, TimeoutError) as err:
             self._fail_or_retry(f"placement failed: {err}", "placement")
             return
+        self.stragglers.reset()  # rank numbers now name other processes
         self.emit({"event": "placed", "layout": decision.layout.degrees(),
                    "world_size": decision.layout.world_size, "reason": decision.reason,
                    "nodes": [h.node_id for h in self.group.ranks],
@@ -162,24 +191,88 @@ class Controller:
         interval = self.spec.fault_tolerance.heartbeat_interval_s
         records = self.group.poll(interval)
         self._absorb(records)
+        evict = self._watch_health(records)
         self._maybe_controller_chaos()
         snap = JobSnapshot(tuple(self.group.health()), self.restarts,
                            self.spec.fault_tolerance.max_restarts,
                            self.spec.fault_tolerance.heartbeat_timeout_s,
                            self.spec.fault_tolerance.hang_timeout_s, self.spec.resources.gpus_per_node)
         decision = self.failure_policy.make_decision(snap)
+        if decision.action == Action.CONTINUE and evict is not None:
+            decision = evict
+        if decision.action == Action.CONTINUE and self._maybe_rescale():
+            return
         if decision.action == Action.CONTINUE:
             time.sleep(max(0.0, interval - 0.05) if not records else 0.0)
         elif decision.action == Action.SUCCEED:
-            self.emit({"event": "done", "step": self.step, "loss": self.loss})
+            self.emit({"event": "done", "step": self.step, "loss": self.loss,
+                       "restarts": self.restarts, "lost_steps": self.lost_steps,
+                       "goodput": self.goodput.summary()})
             self._transition(JobState.SUCCEEDED, decision.reason)
         else:
             self._on_failure(decision)
 
+    def _maybe_rescale(self) -> bool:
+        if time.monotonic() < self.next_capacity_check:
+            return False
+        self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
+        current = -(-self.layout.world_size // self.spec.resources.gpus_per_node)
+        want = self.scaling_policy.wants_rescale(self.spec, current, self.target_nodes,
+                                                 self.capacity())
+        if not want.rescale:
+            return False
+        self.rescale_from = (self.layout, time.monotonic())
+        for h in self.group.ranks:
+            h.actor.request_stop.remote()
+        self._transition(JobState.RESCALING, want.reason + "; checkpointing at the next step")
+        return True
+
+    def _rescaling(self) -> None:
+        """Wait until every rank committed the boundary checkpoint and stopped, then re-plan."""
+        self._absorb(self.group.poll(self.spec.fault_tolerance.heartbeat_interval_s))
+        health = self.group.health()
+        if all(r.state == "stopped" for r in health):
+            old, _ = self.rescale_from
+            self.scale_pending = {"from": old.degrees(), "from_world": old.world_size}
+            self._transition(JobState.PLACING, f"all ranks stopped at step {self.step}")
+            return
+        snap = JobSnapshot(tuple(r for r in health if r.state != "stopped"), self.restarts,
+                           self.spec.fault_tolerance.max_restarts,
+                           self.spec.fault_tolerance.heartbeat_timeout_s,
+                           self.spec.fault_tolerance.hang_timeout_s, self.spec.resources.gpus_per_node)
+        decision = self.failure_policy.make_decision(snap)
+        if decision.action in (Action.RESTART, Action.FAIL):
+            self._on_failure(decision)
+
+    def _watch_health(self, records: list[dict[str, Any]]) -> FailureDecision | None:
+        """Straggler windows and observers after each poll; an `evict` straggler -> restart."""
+        evict = None
+        for flag in self.stragglers.observe(records, self.layout.world_size):
+            self.emit({"event": "straggler", "rank": flag.rank, "score": flag.score,
+                       "action": flag.action, "node": self.group.ranks[flag.rank].node_id})
+            if flag.action == "evict" and evict is None:
+                evict = self._evict(flag)
+        for observe in self.observers:
+            observe(self, records)
+        return evict
+
+    def _evict(self, flag: StragglerFlag) -> FailureDecision | None:
+        """Restart without the straggler's node block, unless that would stop the job."""
+        node, ranks, reason = eviction_plan(flag, [h.node_id for h in self.group.ranks],
+                                            self.spec.resources.gpus_per_node)
+        if self.restarts >= self.spec.fault_tolerance.max_restarts or \
+                self.capacity().nodes - 1 < self.spec.resources.min_nodes:
+            logger.warning("job %s: not evicting: %s; no restart or node to spare", self.job_id, reason)
+            return None
+        self.lost_slots[node] = self.lost_slots.get(node, 0) + len(ranks)
+        self.group.mark_lost(node)
+        return FailureDecision(Action.RESTART, reason, ranks, "straggler")
+
     def _on_failure(self, decision: FailureDecision) -> None:
         self.failure, self.failed_at = decision, time.monotonic()
         self.emit({"event": "failure", "step": self.max_step_seen, "rank": decision.failed_ranks[0],
-                   "ranks": list(decision.failed_ranks), "cause": decision.reason})
+                   "ranks": list(decision.failed_ranks), "cause": decision.reason,
+                   "kind": decision.cause_kind})
         if decision.action == Action.FAIL:
             self._stop_group()
             self._transition(JobState.FAILED, decision.reason)
@@ -211,21 +304,31 @@ class Controller:
         for record in records:
             kind = record.get("event")
             if kind == "started" and record["rank"] == 0:
+                self.goodput.end()  # startup is over: what follows is training
                 self._on_started(record)
             elif kind == "step":
                 self.max_step_seen = max(self.max_step_seen, record["step"])
                 if record["rank"] == 0:
                     self.step, self.loss = record["step"], record["loss"]
+                    self.goodput.step(record.get("step_s", 0.0))
                     self.emit({k: v for k, v in record.items() if k != "rank"})
             elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
+                self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))
                 self.emit({k: v for k, v in record.items() if k != "rank"})
 
     def _on_started(self, record: dict[str, Any]) -> None:
+        if self.scale_pending is not None and self.rescale_from is not None:
+            self.emit({"event": "scaled", "step": record["step"], **self.scale_pending,
+                       "layout": self.layout.degrees(), "world_size": self.layout.world_size,
+                       "seconds": round(time.monotonic() - self.rescale_from[1], 3),
+                       "lost_steps": max(0, self.max_step_seen - record["step"])})
+            self.scale_pending = self.rescale_from = None
         if self.failed_at is None:
             return
         resumed = record["step"]
         lost = max(0, self.max_step_seen - resumed)
         self.lost_steps += lost
+        self.goodput.lost_steps(lost)
         self.emit({"event": "recovered", "step": resumed, "layout": self.layout.degrees(),
                    "world_size": self.layout.world_size, "lost_steps": lost,
                    "seconds": round(time.monotonic() - self.failed_at, 3)})
@@ -244,20 +347,22 @@ class Controller:
         return Capacity(nodes, f"({', '.join(parts)})")
 
     def _mark_lost_nodes(self) -> None:
-        """A node-sized block whose every rank is gone is lost if its Ray node does not answer
-        a probe, or a chaos `kill node` targeted it."""
+        """A node-sized block is lost when a chaos `kill node` targeted it, or when every one of
+        its ranks is gone and its Ray node does not answer a probe."""
         if self.group is None or self.failure is None:
             return
         failed, g = set(self.failure.failed_ranks), self.spec.resources.gpus_per_node
         for k in range(-(-len(self.group.ranks) // g)):
             block = self.group.ranks[k * g:(k + 1) * g]
-            if not block or not all(h.rank in failed for h in block):
+            if not block:
                 continue
-            if self._node_answers(block[0].node_id) and not self._chaos_killed(k):
-                continue
-            self.lost_slots[block[0].node_id] = self.lost_slots.get(block[0].node_id, 0) + len(block)
-            self.group.mark_lost(block[0].node_id)
-            logger.warning("job %s: node block %d (Ray node %s) lost", self.job_id, k, block[0].node_id[:8])
+            if not self._chaos_killed(k):
+                if not all(h.rank in failed for h in block) or self._node_answers(block[0].node_id):
+                    continue
+            node = block[0].node_id
+            self.lost_slots[node] = self.lost_slots.get(node, 0) + len(block)
+            self.group.mark_lost(node)
+            logger.warning("job %s: node block %d (Ray node %s) lost", self.job_id, k, node[:8])
 
     def _node_answers(self, node_id: str) -> bool:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -269,11 +374,21 @@ class Controller:
             return False
 
     def _chaos_killed(self, node_block: int) -> bool:
-        return any(e.kind == "kill" and e.node == node_block and e.at <= self.max_step_seen + 1
-                   for e in self.chaos)
+        """Whether a not yet accounted `kill node` drill hit this block (consumes it)."""
+        for e in self.chaos:
+            if e.kind == "kill" and e.node == node_block and e.at <= self.max_step_seen + 1 \
+                    and e.id not in self.controller_chaos_fired:
+                self.controller_chaos_fired.add(e.id)
+                return True
+        return False
 
     def _maybe_controller_chaos(self) -> None:
         for e in self.chaos:
+            if e.kind == "scale" and e.id not in self.controller_chaos_fired \
+                    and self.max_step_seen + 1 >= e.at:
+                self.controller_chaos_fired.add(e.id)
+                self.emit({"event": "chaos", "kind": e.kind, "detail": f"target nodes {e.nodes}"})
+                self.scale(e.nodes)
             if e.kind == "corrupt-checkpoint" and e.id not in self.controller_chaos_fired \
                     and self.max_step_seen + 1 >= e.at:
                 self.controller_chaos_fired.add(e.id)
@@ -286,4 +401,5 @@ class Controller:
         return {"job": self.job_id, "state": self.state.value, "step": self.step, "loss": self.loss,
                 "layout": self.layout.degrees() if self.layout else None,
                 "world_size": self.layout.world_size if self.layout else 0,
-                "restarts": self.restarts, "lost_steps": self.lost_steps, "cause": self.cause}
+                "restarts": self.restarts, "lost_steps": self.lost_steps, "cause": self.cause,
+                "goodput": self.goodput.summary()}

@@ -96,6 +96,13 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class RescaleDecision:
+    rescale: bool
+    nodes: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class ScaleDecision:
     layout: "ParallelLayout | None"
     nodes: int
@@ -111,6 +118,21 @@ class ScalingPolicy:
     it steps down one GPU at a time — possibly leaving GPUs idle — rather than fail, and
     says so. Fails only below min_nodes or when no world size admits a valid layout.
     """
+
+    def wants_rescale(self, spec: "JobSpec", current_nodes: int, target_nodes: int,
+                      capacity: Capacity) -> RescaleDecision:
+        """Whether a running job should re-plan now: the target moved, or nodes joined that
+        bring it closer to the target. (Nodes that leave show up as failed ranks instead.)"""
+        r = spec.resources
+        want = min(max(target_nodes, r.min_nodes), r.max_nodes)
+        reachable = min(want, capacity.nodes + 0)
+        if reachable == current_nodes:
+            return RescaleDecision(False, current_nodes, "at the reachable target")
+        if reachable < current_nodes:
+            return RescaleDecision(True, reachable, f"target {want} node(s): shrinking from "
+                                   f"{current_nodes} to {reachable}")
+        return RescaleDecision(True, reachable, f"target {want} node(s), {capacity.nodes} "
+                               f"available: growing from {current_nodes} to {reachable}")
 
     def make_decision(self, spec: "JobSpec", capacity: Capacity, target_nodes: int) -> ScaleDecision:
         from parallel.planner import PlanError, plan_for_spec

@@ -31,8 +31,6 @@ def ray_session(address: str | None, spec: JobSpec) -> Iterator[None]:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         slots = spec.resources.max_nodes * spec.resources.gpus_per_node
         tmp = tempfile.mkdtemp(prefix="tenax-ray-")
         ray.init(num_cpus=max(os.cpu_count() or 1, slots), num_gpus=slots,
@@ -66,7 +64,8 @@ class EventSink:
             self.progress.update(self.task, completed=event["step"],
                                  description=f"loss {event['loss']:.4f} | "
                                  f"{event['tokens_per_s']:.0f} tok/s | {layout}")
-        elif kind in ("failure", "recovered", "checkpoint_failed", "done", "chaos", "scaled") or \
+        elif kind in ("failure", "recovered", "checkpoint_failed", "done", "chaos", "scaled",
+                      "straggler") or \
                 (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
             self.console.print(_human(event))
         elif kind == "checkpoint":
@@ -111,14 +110,17 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
         task = progress.add_task("starting", total=spec.train.steps, name=spec.name)
         sink = EventSink(log_json, console, progress, task, spec.train.steps)
         controller = Controller(spec, chaos, sink)
+        metrics = None
         if metrics_port:
             from orchestrator.metrics import serve_metrics
 
-            serve_metrics(controller, metrics_port, sink)
+            metrics = serve_metrics(controller, metrics_port, sink)
         try:
             state = controller.run()
         finally:
             sink.close()
+            if metrics is not None:
+                metrics.close()
     console.print(f"job {controller.job_id}: {state.value} at step {controller.step}"
                   + (f" ({controller.cause})" if controller.cause else ""))
     return 0 if state == JobState.SUCCEEDED and controller.step >= spec.train.steps else 1

@@ -175,6 +175,7 @@ class FaultToleranceSpec(_Strict):
     hang_timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(10, ge=0)
     straggler_threshold: float = Field(0.8, gt=0, lt=1)
+    straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/health.py
 
     @model_validator(mode="after")
     def _timeouts(self) -> "FaultToleranceSpec":

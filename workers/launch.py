@@ -49,13 +49,21 @@ def leave_process_group() -> None:
 
 def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, world: int,
              addr: str, port: int, on_step: Callable[[dict[str, Any]], None] | None = None,
-             steps: int | None = None) -> dict[str, Any]:
-    """Train `steps` (default train.steps) on this rank; returns the last step's record."""
+             steps: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+             should_stop: Callable[[], bool] | None = None, resume: bool = True,
+             storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train this rank until step `steps` (default train.steps); returns the last record.
+
+    Resumes from the newest committed checkpoint (resharded into this layout), saves every
+    checkpoint.every_steps and at the last step, and waits for the last save before returning.
+    Records: "started" (with the step it resumed at), "step", and checkpoint events, which go
+    to `on_event` (default `on_step`). `should_stop` is polled at every step boundary; when any
+    rank says stop, all save at that boundary and return {"event": "stopped", ...}.
+    """
     import torch
 
     from orchestrator.spec import spec_from_dict
     from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = spec_from_dict(spec_dict)
@@ -63,20 +71,67 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     join_process_group(rank, world, addr, port, spec.fault_tolerance.hang_timeout_s,
                        "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo")
     try:
-        trainer = Trainer(spec, layout)
-        record: dict[str, Any] = {}
-        for _ in range(steps or spec.train.steps):
-            result = trainer.run_step()
-            record = {"event": "step", "step": result.step, "loss": result.loss,
-                      "tokens_per_s": result.tokens_per_s, "world_size": world,
-                      "layout": layout.degrees(), "rank": rank,
-                      "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
-                      "lr": result.lr, "step_s": result.step_s}
-            if on_step is not None:
-                on_step(record)
-        return record
+        return _train(spec, layout, rank, world, on_step, on_event or on_step, steps,
+                      should_stop, resume, storage_options)
     finally:
         leave_process_group()
+
+
+def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | None,
+           emit: Callable | None, steps: int | None, should_stop: Callable[[], bool] | None,
+           resume: bool, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    from checkpoint.manager import CheckpointManager
+    from workers.trainer import Trainer
+
+    trainer = Trainer(spec, layout)
+    base = {"rank": rank, "world_size": world, "layout": layout.degrees()}
+
+    def report(events: list[dict[str, Any]]) -> None:
+        for event in events:
+            if emit is not None:
+                emit({**event, "rank": rank})
+
+    with CheckpointManager(spec, trainer, rank, world, storage_options=storage_options) as mgr:
+        resumed = mgr.load() if resume else None
+        report(mgr.drain_events())
+        if on_step is not None:
+            on_step({"event": "started", "step": trainer.step, "resumed_from": resumed, **base})
+        record: dict[str, Any] = {"event": "step", "step": trainer.step, "loss": None, **base}
+        target, every = steps or spec.train.steps, spec.checkpoint.every_steps
+        while trainer.step < target:
+            if should_stop is not None and _any_rank_says(should_stop()):
+                mgr.save(trainer.step)  # skipped when this step is saved or resumed from
+                mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
+                report(mgr.drain_events())
+                return {"event": "stopped", "step": trainer.step, **base}
+            record = _step_record(trainer.run_step(), base)
+            if on_step is not None:
+                on_step(record)
+            if trainer.step % every == 0 or trainer.step == target:
+                mgr.save(trainer.step)
+            report(mgr.drain_events())
+        mgr.close()
+        report(mgr.drain_events())
+    return record
+
+
+def _step_record(result: Any, base: dict[str, Any]) -> dict[str, Any]:
+    return {"event": "step", "step": result.step, "loss": result.loss,
+            "tokens_per_s": result.tokens_per_s, **base,
+            "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
+            "lr": result.lr, "step_s": result.step_s}
+
+
+def _any_rank_says(flag: bool) -> bool:
+    """One-element all-reduce so every rank stops at the same step boundary."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _rank_process(spec_dict: dict, layout_dict: dict, rank: int, world: int, port: int,

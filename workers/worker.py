@@ -61,8 +61,13 @@ class RankStatus:
     attempt: int = 0
 
 
-def _child_main(run: RankRun, conn: Any) -> None:
-    """Entry point of the training process (runs in a forkserver child)."""
+def _child_main(run: RankRun, conn: Any, control: Any) -> None:
+    """Entry point of the training process (runs in a forkserver child).
+
+    `control` carries requests from the actor: "stop" = commit a checkpoint at the next step
+    boundary and exit (planned scale changes lose no steps). Every rank agrees on that
+    boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank got
+    the request."""
     from orchestrator.chaos import ChaosInjector
     from workers.launch import run_rank
 
@@ -79,9 +84,13 @@ def _child_main(run: RankRun, conn: Any) -> None:
         if record.get("event") in ("step", "started"):
             injector.before_step(record["step"] + 1)
 
+    def should_stop() -> bool:
+        return bool(control.poll())
+
     try:
-        run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port, on_step=on_record)
-        conn.send(("done", None))
+        record = run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
+                          on_step=on_record, should_stop=should_stop)
+        conn.send(("stopped" if record.get("event") == "stopped" else "done", None))
     except BaseException as err:  # every failure reaches the controller with its cause
         conn.send(("error", f"{type(err).__name__}: {err}"))
 
@@ -97,6 +106,7 @@ class RankWorker:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._ledger: Any = None
+        self._control: Any = None
         self._attempt = 0
         threading.Thread(target=self._warm_up, daemon=True).start()
 
@@ -110,16 +120,24 @@ class RankWorker:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "hostname": socket.gethostname()}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": self._node_ip(),
+                "pid": os.getpid(), "hostname": socket.gethostname()}
+
+    def _node_ip(self) -> str:
+        """The address the node was started with (127.0.0.1 in local clusters), as the GCS
+        records it; a worker's own guess may pick another interface."""
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node["NodeID"] == node_id:
+                return node["NodeManagerAddress"]
+        return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
         """A free TCP port on this node's address, for rank 0's rendezvous store."""
-        import ray
-
         with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
+            s.bind((self._node_ip(), 0))
             return s.getsockname()[1]
 
     # ---- training ----------------------------------------------------------------------------
@@ -129,12 +147,14 @@ class RankWorker:
         self.stop()
         self._ledger, self._attempt = run.ledger, self._attempt + 1
         parent, child = self._ctx.Pipe()
+        control_read, self._control = self._ctx.Pipe(duplex=False)
         # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
         # asks us to claim chaos events over the pipe instead.
-        proc = self._ctx.Process(target=_child_main, args=(replace(run, ledger=None), child),
+        proc = self._ctx.Process(target=_child_main, args=(replace(run, ledger=None), child, control_read),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
         child.close()
+        control_read.close()
         with self._lock:
             self._proc = proc
             self._status = RankStatus(rank=run.rank, state="starting", child_pid=proc.pid,
@@ -168,6 +188,8 @@ class RankWorker:
             self._on_record(payload)
         elif kind == "done":
             self._set(state="done")
+        elif kind == "stopped":
+            self._set(state="stopped")
         elif kind == "error":
             self._set(state="failed", error=payload)
 
@@ -193,6 +215,11 @@ class RankWorker:
         with self._lock:
             return {**asdict(self._status), "events": self._events[since:],
                     "n_events": len(self._events), "time": time.time()}
+
+    def request_stop(self) -> None:
+        """Ask the training process to checkpoint at the next step boundary and exit."""
+        if self._control is not None:
+            self._control.send("stop")
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Kill the training process (it may be blocked in a collective); True when gone."""

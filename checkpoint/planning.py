@@ -1,0 +1,75 @@
+"""Planning a save with DCP, and reusing the plan while nothing about the state's shape changed.
+
+Why a cache: DCP's planning gathers every rank's plan on the coordinator, dedups, validates and
+scatters the result back — measured ~25-35 ms of blocked time per save on 2 gloo ranks, the
+largest blocked cost left once ZeRO moments stopped being gathered (see pieces.py). Between two
+saves of one trainer the plan is identical (same tensors, shapes, shard offsets), only the
+bytes differ. So each rank compares its *local* plan (cheap, no communication) with the cached
+one, the ranks agree with one tiny all-reduce, and if every rank's plan is unchanged the cached
+global decision (which rank writes which chunk, at which file offset, and the `.metadata` bytes)
+is reused. The cache lives in the manager instance, never at module level: DCP's own
+`enable_plan_caching` keeps class-level state, which a worker that re-forms its process group
+with another world size would carry over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+from checkpoint.pieces import PiecewiseSavePlanner
+from checkpoint.shards import DeferredWriter
+
+
+@dataclass
+class PlannedSave:
+    """What one rank writes: its shard file (None if dedup left it nothing) and .metadata."""
+
+    file: str | None
+    tensors: list[tuple[int, torch.Tensor]]
+    nbytes: int
+    metadata_bytes: bytes | None
+    reused_plan: bool
+
+
+@dataclass
+class PlanCache:
+    local_items: list[WriteItem]  # this rank's plan before the global step (the cache key)
+    final_items: list[WriteItem]  # what the global step left this rank to write, in file order
+    offsets: list[int]
+    file: str | None
+    nbytes: int
+    metadata_bytes: bytes | None
+
+
+def _state_of(provider: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    if hasattr(provider, "pieces_for_save"):
+        return provider.pieces_for_save()
+    return provider.state_for_save(), None
+
+
+def plan_save(provider: Any, rank: int, cache: PlanCache | None,
+              agree: Callable[[bool], bool]) -> tuple[PlannedSave, PlanCache]:
+    """Plan this rank's part of a save (collective: every rank calls it)."""
+    plain, pieces = _state_of(provider)
+
+    def planner() -> DefaultSavePlanner:
+        return PiecewiseSavePlanner(pieces) if pieces is not None else DefaultSavePlanner()
+
+    local = planner()
+    local.set_up_planner(state_dict=plain, storage_meta=None, is_coordinator=rank == 0)
+    local_items = list(local.create_local_plan().items)
+    if agree(cache is not None and cache.local_items == local_items):
+        tensors = [(off, local.resolve_data(item).detach())
+                   for item, off in zip(cache.final_items, cache.offsets)]
+        return PlannedSave(cache.file, tensors, cache.nbytes, cache.metadata_bytes, True), cache
+    writer = DeferredWriter()
+    dcp.save(plain, storage_writer=writer, planner=planner())
+    cache = PlanCache(local_items, writer.items, [off for off, _ in writer.tensors], writer.file,
+                      writer.total_bytes, writer.metadata_bytes)
+    return PlannedSave(writer.file, writer.tensors, writer.total_bytes, writer.metadata_bytes,
+                       False), cache

@@ -1,0 +1,126 @@
+"""What the manager saves and loads: state providers, and host staging for the thread writer.
+
+Why separate from the manager: the manager only needs four calls from a trainer (tensors to
+save, tensors to load into, apply what was loaded, describe layout/cursor/seed), so anything
+that can answer them — a Trainer through `TrainerState`, or a test's dict of tensors — can be
+checkpointed. `Stager` keeps the host copies a background writer reads from; it reuses them
+across saves (pinned memory on GPUs) so staging costs one memcpy, not an allocation.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from checkpoint.shards import byte_view
+
+logger = logging.getLogger(__name__)
+
+
+class StateProviderError(Exception):
+    """The object given to the manager cannot provide training state."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class StateProvider(Protocol):
+    """What the manager needs from a trainer; `TrainerState` adapts `workers.trainer.Trainer`."""
+
+    step: int
+
+    def state_for_save(self) -> dict[str, torch.Tensor]: ...
+
+    def state_for_load(self) -> dict[str, torch.Tensor]: ...
+
+    def apply_loaded(self, tensors: dict[str, torch.Tensor], *, step: int,
+                     data_cursor: int) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...  # layout, parallel, data_cursor, seed
+
+
+class TrainerState:
+    """A Trainer as a StateProvider: layout-free tensors from checkpoint.reshard."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        from checkpoint.reshard import training_state
+
+        return training_state(self.trainer)
+
+    def pieces_for_save(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Like state_for_save, but ZeRO-1/2 moments as this rank's pieces (no gather)."""
+        from checkpoint.pieces import save_state
+
+        return save_state(self.trainer)
+
+    def state_for_load(self) -> dict[str, torch.Tensor]:
+        from checkpoint.reshard import training_state
+
+        return training_state(self.trainer, for_load=True)
+
+    def apply_loaded(self, tensors: dict[str, torch.Tensor], *, step: int,
+                     data_cursor: int) -> None:
+        from checkpoint.reshard import apply_training_state
+
+        apply_training_state(self.trainer, tensors)
+        self.trainer.step = step  # the LR schedule is a pure function of the step
+        self.trainer.loader.load_state_dict({"samples_consumed": data_cursor})
+
+    def describe(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"layout": t.layout.degrees(), "parallel": t.layout.to_dict(),
+                "data_cursor": int(t.loader.state_dict()["samples_consumed"]),
+                "seed": t.spec.train.seed}
+
+
+def as_state_provider(obj: Any) -> StateProvider:
+    if hasattr(obj, "pm") and hasattr(obj, "optimizer") and hasattr(obj, "loader"):
+        return TrainerState(obj)
+    needed = ("state_for_save", "state_for_load", "apply_loaded", "describe", "step")
+    missing = [n for n in needed if not hasattr(obj, n)]
+    if missing:
+        raise StateProviderError(f"{type(obj).__name__} is neither a Trainer nor a state provider "
+                              f"(missing {missing})")
+    return obj
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line per failing rank: DCP's own message holds every rank's full traceback."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                         for r, (e, _) in sorted(exc.failures.items()))
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Stager:
+    """Host copies of the tensors for the thread writer, reused across saves (pinned on GPU)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def stage(self, tensors: list[tuple[int, torch.Tensor]]) -> list[tuple[int, Any]]:
+        out, on_gpu = [], False
+        for i, (offset, t) in enumerate(tensors):
+            buf = self._buffers[i] if i < len(self._buffers) else None
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                self._buffers[i:i + 1] = [buf]
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            on_gpu |= t.is_cuda
+            out.append((offset, buf))
+        del self._buffers[len(tensors):]
+        if on_gpu:
+            torch.cuda.synchronize()
+        return [(offset, byte_view(buf)) for offset, buf in out]
+
+    def clear(self) -> None:
+        self._buffers = []

@@ -1,0 +1,350 @@
+"""The write phase of a save, wherever it runs: a forked process, a thread, or inline.
+
+A `SaveJob` holds everything one rank must write after DCP planned the save: byte views of its
+tensors at planned offsets, and on rank 0 the pickled `.metadata` plus what the manifest needs.
+`run_job` writes the rank's shard, then a marker `rank-NNNNN.json` saying it finished (or why
+it failed). Rank 0's job then waits for every rank's marker and only then commits through
+`Catalog.commit` (manifest last) and applies retention. So the second phase of the two-phase
+commit needs no process group: it survives a rank dying mid-write (its marker never appears,
+rank 0 gives up at the deadline) and does not interleave with training collectives on gloo.
+
+Runners (chosen by the manager, measured in its docstring):
+- `start_fork`: fork a child at nice 19; the child sees a copy-on-write snapshot of the
+  tensors, so staging costs a fork instead of a memcpy. Local filesystems only: memory:// is
+  per-process, and object-store clients hold event loops that do not survive a fork.
+- `start_thread`: write a staged copy from a thread whose OS priority is lowered (Linux lets a
+  thread have its own nice value).
+- inline: `run_job` on the caller's thread (sync saves).
+
+Fault injection for drills and tests (read at write time, never at import): environment
+`TENAX_CKPT_FAULT=pause:DIR` makes a writer publish `DIR/writer-r<rank>-s<step>.pid` half-way
+through its shard and wait until `DIR/release` exists; `TENAX_CKPT_FAULT=fail` makes it fail as
+a full disk would. `TENAX_CKPT_FAULT_RANKS=0,2` limits either to those ranks.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from checkpoint.catalog import Catalog, version_name
+from checkpoint.shards import METADATA_NAME
+from checkpoint.storage import MIN_BYTES_PER_S, Storage
+
+logger = logging.getLogger(__name__)
+
+WRITE_CHUNK = 8 << 20  # os.write releases the GIL per call; large calls keep Python out of it
+WRITER_NICE = 19  # background writers yield the cores to training (the bench's ablation sets 0)
+MARKER_FMT = "rank-{:05d}.json"
+FAULT_ENV, FAULT_RANKS_ENV = "TENAX_CKPT_FAULT", "TENAX_CKPT_FAULT_RANKS"
+
+
+class CheckpointWriteError(Exception):
+    """A rank could not write its part of a save, or rank 0 could not commit it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+@dataclass
+class CommitInfo:
+    """What rank 0 puts in the manifest and how it applies retention afterwards."""
+
+    layout: dict[str, Any]
+    model_hash: str
+    data_cursor: int
+    seed: int
+    lr_step: int
+    keep_last: int
+    keep_every: int
+    protect: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SaveJob:
+    storage: Storage
+    step: int
+    rank: int
+    world: int
+    started_at: float  # time.monotonic() when save() was called; the clock is system-wide
+    timeout_s: float  # deadline for writing, waiting for the other ranks and committing
+    mode: str
+    file: str | None = None
+    pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    nbytes: int = 0
+    metadata_bytes: bytes | None = None
+    commit: CommitInfo | None = None
+    blocked_s: float | None = None  # None: a sync save, blocked for its whole duration
+
+    @property
+    def version(self) -> str:
+        return version_name(self.step)
+
+    def deadline(self) -> float:
+        # a hang is no progress, not a large checkpoint: allow time for every rank's bytes
+        return self.started_at + self.timeout_s + self.nbytes * self.world / MIN_BYTES_PER_S
+
+
+def failed_event(step: int, cause: str, rank: int) -> dict[str, Any]:
+    return {"event": "checkpoint_failed", "step": step, "rank": rank, "cause": cause}
+
+
+def run_job(job: SaveJob) -> dict[str, Any]:
+    """Write this rank's part; on rank 0 also wait for the others and commit. Never raises."""
+    t0 = time.monotonic()
+    try:
+        files = _write_shard(job)
+        _write_marker(job, {"ok": True, "files": files, "blocked_s": job.blocked_s,
+                            "write_s": time.monotonic() - t0})
+        if job.commit is None:
+            return {"event": "checkpoint_written", "step": job.step, "rank": job.rank,
+                    "bytes": job.nbytes, "write_s": time.monotonic() - t0}
+        return _commit(job)
+    except Exception as exc:  # reported, never raised: a failed save must not stop training
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.error("checkpoint step %d failed on rank %d: %s", job.step, job.rank, cause)
+        write_failure_marker(job, cause)
+        return failed_event(job.step, cause, job.rank)
+
+
+def _faults(job: SaveJob) -> str:
+    spec = os.environ.get(FAULT_ENV, "")
+    ranks = os.environ.get(FAULT_RANKS_ENV, "")
+    if ranks and str(job.rank) not in ranks.split(","):
+        return ""
+    return spec
+
+
+def _pause_here(job: SaveJob, spec: str) -> None:
+    folder = spec.partition(":")[2]
+    marker = os.path.join(folder, f"writer-r{job.rank}-s{job.step}.pid")
+    with open(marker + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(marker + ".tmp", marker)
+    release = os.path.join(folder, "release")
+    while not os.path.exists(release):  # a test kills us here, or releases us
+        if time.monotonic() > job.deadline():
+            raise CheckpointWriteError(f"paused writer of step {job.step} was never released")
+        time.sleep(0.02)
+
+
+def _write_shard(job: SaveJob) -> dict[str, int]:
+    """Write the rank's shard (and rank 0's .metadata); returns {file: size}."""
+    fault = _faults(job)
+    if fault == "fail":
+        raise OSError(errno.ENOSPC, f"injected by {FAULT_ENV}=fail: no space left on device")
+    files: dict[str, int] = {}
+    if job.file is not None:
+        rel = f"{job.version}/{job.file}"
+        pause = (lambda: _pause_here(job, fault)) if fault.startswith("pause:") else None
+        if job.storage.is_local:
+            _write_local(job.storage.local_path(rel), job.pieces, job.nbytes, pause)
+        else:
+            if pause:
+                pause()
+            job.storage.write_bytes(rel, _assemble(job.pieces, job.nbytes))
+        files[job.file] = job.nbytes
+    elif fault.startswith("pause:"):
+        _pause_here(job, fault)
+    if job.metadata_bytes is not None:
+        job.storage.write_bytes(f"{job.version}/{METADATA_NAME}", job.metadata_bytes)
+        files[METADATA_NAME] = len(job.metadata_bytes)
+    return files
+
+
+def _write_local(path: str, pieces: list[tuple[int, np.ndarray]], nbytes: int,
+                 pause: Any) -> None:
+    """Plain os.write in large chunks (releases the GIL), then fsync before the marker."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        for offset, view in pieces:
+            if offset != written:
+                raise CheckpointWriteError(f"{path}: piece at {offset}, expected {written}")
+            mv = memoryview(view)
+            for start in range(0, len(mv), WRITE_CHUNK):
+                if pause is not None and written >= nbytes // 2:
+                    pause()
+                    pause = None
+                written += _write_all(fd, mv[start:start + WRITE_CHUNK])
+        if pause is not None:
+            pause()
+        os.fsync(fd)  # shard bytes must be durable before the commit marker names them
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> int:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+    return done
+
+
+def _assemble(pieces: list[tuple[int, np.ndarray]], nbytes: int) -> bytes:
+    out = bytearray(nbytes)
+    for offset, view in pieces:
+        out[offset:offset + len(view)] = memoryview(view)
+    return bytes(out)
+
+
+def _write_marker(job: SaveJob, doc: dict[str, Any]) -> None:
+    body = json.dumps({"rank": job.rank, "step": job.step, **doc}).encode()
+    job.storage.write_bytes(f"{job.version}/{MARKER_FMT.format(job.rank)}", body)
+
+
+def write_failure_marker(job: SaveJob, cause: str) -> None:
+    """Best effort: tell rank 0 now instead of letting it wait out the deadline."""
+    try:
+        _write_marker(job, {"ok": False, "cause": cause})
+    except Exception as exc:
+        logger.warning("could not record the failure of step %d on rank %d: %s",
+                       job.step, job.rank, exc)
+
+
+def _wait_for_ranks(job: SaveJob) -> tuple[list[str], float]:
+    """Poll the version dir until every rank's marker is there; (files, max blocked_s)."""
+    names = {MARKER_FMT.format(r): r for r in range(job.world)}
+    seen: dict[int, dict[str, Any]] = {}
+    delay = 0.005
+    while len(seen) < job.world:
+        listed = job.storage.list_files(job.version)
+        for name, rank in names.items():
+            if rank not in seen and name in listed:
+                doc = json.loads(job.storage.read_bytes(f"{job.version}/{name}"))
+                if not doc.get("ok"):
+                    raise CheckpointWriteError(f"rank {rank} failed: {doc.get('cause')}")
+                seen[rank] = doc
+        if len(seen) == job.world:
+            break
+        if time.monotonic() > job.deadline():
+            missing = sorted(set(range(job.world)) - set(seen))
+            raise CheckpointWriteError(
+                f"ranks {missing} did not finish writing {job.storage.url(job.version)} "
+                f"within the deadline ({job.timeout_s:.0f}s + size allowance)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+    files = [f for doc in seen.values() for f in doc["files"]] + list(names)
+    blocked = [doc.get("blocked_s") for doc in seen.values()]
+    return files, max((b for b in blocked if b is not None), default=-1.0)
+
+
+def _commit(job: SaveJob) -> dict[str, Any]:
+    info = job.commit
+    files, blocked = _wait_for_ranks(job)
+    catalog = Catalog(job.storage)
+    sync = blocked < 0  # sync saves block training for their whole duration
+    manifest = catalog.commit(
+        job.step, layout=info.layout, world_size=job.world, model_hash=info.model_hash,
+        data_cursor=info.data_cursor, seed=info.seed, lr_step=info.lr_step,
+        blocked_s=0.0 if sync else blocked, started_at=job.started_at,
+        extra={**info.extra, "writer": job.mode}, expected_files=files)
+    blocked_s = manifest.total_s if sync else blocked
+    try:
+        catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect)
+    except Exception as exc:  # retention is a chore; its failure is logged, never fatal
+        logger.error("retention after step %d failed: %s", job.step, exc)
+    return {"event": "checkpoint", "step": job.step, "blocked_s": round(blocked_s, 6),
+            "total_s": round(manifest.total_s, 6), "bytes": manifest.total_bytes,
+            "mode": job.mode, "world_size": job.world}
+
+
+# ---- runners -----------------------------------------------------------------------------
+class Flight:
+    """One save in flight on this rank; `wait` returns its event."""
+
+    def __init__(self, job: SaveJob) -> None:
+        self.step, self.mode, self.deadline = job.step, job.mode, job.deadline()
+        self._done = threading.Event()
+        self.event: dict[str, Any] | None = None
+
+    def finish(self, event: dict[str, Any]) -> None:
+        self.event = event
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(max(0.0, timeout))
+
+
+def run_inline(job: SaveJob) -> Flight:
+    flight = Flight(job)
+    flight.finish(run_job(job))
+    return flight
+
+
+def start_thread(job: SaveJob) -> Flight:
+    flight = Flight(job)
+
+    def body() -> None:
+        try:  # Linux: a thread id is a task id, so this lowers only the writer thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (OSError, AttributeError) as exc:
+            logger.debug("cannot lower the writer thread's priority: %s", exc)
+        flight.finish(run_job(job))
+
+    threading.Thread(target=body, name=f"ckpt-writer-{job.step}", daemon=True).start()
+    return flight
+
+
+def start_fork(job: SaveJob) -> Flight:
+    """Fork a nice-19 child that runs the job on a copy-on-write snapshot of the tensors."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into the trainer; os._exit skips atexit and gloo
+        code = 1
+        try:
+            os.close(read_fd)
+            job.blocked_s = time.monotonic() - job.started_at
+            os.nice(WRITER_NICE)
+            _write_all(write_fd, memoryview(json.dumps(run_job(job)).encode()))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    flight = Flight(job)
+    threading.Thread(target=_watch_child, args=(job, flight, pid, read_fd),
+                     name=f"ckpt-watch-{job.step}", daemon=True).start()
+    return flight
+
+
+def _watch_child(job: SaveJob, flight: Flight, pid: int, read_fd: int) -> None:
+    chunks: list[bytes] = []
+    try:
+        while True:
+            remaining = flight.deadline - time.monotonic()
+            if remaining <= 0:
+                os.kill(pid, 9)
+                break
+            ready, _, _ = select.select([read_fd], [], [], min(remaining, 1.0))
+            if ready:
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break  # EOF: the child finished or died
+                chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0 and chunks:
+        flight.finish(json.loads(b"".join(chunks)))
+        return
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    if time.monotonic() >= flight.deadline:
+        how += f" after missing its deadline ({job.timeout_s:.0f}s + size allowance)"
+    cause = f"writer process {pid} of step {job.step} {how}"
+    logger.error("checkpoint step %d failed on rank %d: %s", job.step, job.rank, cause)
+    if job.commit is None:
+        write_failure_marker(job, cause)
+    flight.finish(failed_event(job.step, cause, job.rank))

@@ -1,0 +1,206 @@
+"""Per-rank jobs for the checkpoint tests (importable by spawned ranks).
+
+`chain_job` runs a sequence of layouts in ONE set of processes: each phase forms a fresh gloo
+group of the phase's world size (FileStore rendezvous, so no ports to agree on), builds a
+trainer, loads the newest checkpoint, records the full state it loaded, trains, records the
+full state it saves, saves, and destroys the group. Ranks outside a phase's world wait for the
+next one. So one spawn checks many layout changes, and every phase also checks that a process
+can destroy its group and work again with another world size.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from tests.engine_jobs import TINY
+
+BASE = TINY + ["train.global_batch_size=12", "train.steps=20"]
+MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0}"]
+
+
+def ckpt_spec(uri: str, extra: list[str] | None = None):
+    from orchestrator.spec import load_spec
+
+    return load_spec(overrides=BASE + [f"checkpoint.uri={uri}"] + (extra or []))
+
+
+def world_of(layout: dict[str, Any]) -> int:
+    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+
+
+@torch.no_grad()
+def full_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer moment as a full CPU tensor by canonical key (collective).
+
+    Goes through `training_state` (what a checkpoint holds) and gathers DTensors with
+    `full_tensor()`, then pipeline stages with all_gather_object, so two layouts compare
+    key by key.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from checkpoint.reshard import training_state
+
+    mine = {}
+    for key, value in training_state(trainer).items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        mine[key] = full.detach().cpu().clone()
+    if trainer.layout.pp == 1:
+        return mine
+    everyone: list[Any] = [None] * trainer.layout.pp
+    dist.all_gather_object(everyone, mine, group=trainer.mesh["pp"].get_group())
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def _phase(rank: int, world: int, phase: dict[str, Any], uri: str, extra: list[str],
+           writer: str) -> dict[str, Any]:
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(uri, extra)
+    layout = ParallelLayout(**{"micro_batch_size": 1, **phase["layout"]})
+    trainer = Trainer(spec, layout)
+    with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+        loaded_step = mgr.load(layout)
+        loaded = full_state(trainer) if loaded_step is not None else None
+        cursor = trainer.loader.state_dict()["samples_consumed"]
+        losses = {trainer.step + 1 + i: trainer.run_step().loss for i in range(phase["steps"])}
+        saved = full_state(trainer)
+        mgr.save(trainer.step)
+        mgr.wait()
+        events = mgr.drain_events()
+    return {"loaded_step": loaded_step, "trainer_step_after_load": trainer.step - phase["steps"],
+            "cursor_after_load": cursor, "losses": losses, "events": events,
+            "loaded": loaded if rank == 0 else None, "saved": saved if rank == 0 else None}
+
+
+def forget_dtensor_caches() -> None:
+    """Drop DTensor's process-wide dispatch caches after a group is destroyed.
+
+    They are keyed by DeviceMesh equality, which compares ranks and shape but not the process
+    groups, so a re-formed group with the same rank layout would otherwise get a cached spec
+    whose mesh points at a destroyed group ("Could not resolve the process group ...").
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast-path cache in front of it
+    _redistribute.clear_redistribute_planner_cache()
+
+
+def chain_job(rank: int, world_max: int, phases: list[dict[str, Any]], uri: str,
+              store_dir: str, extra: list[str], writer: str = "auto") -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from tests.distributed import shutdown_gloo
+
+    shutdown_gloo()  # run_ranks' group; every phase forms its own
+    forget_dtensor_caches()
+    out = []
+    for i, phase in enumerate(phases):
+        world = world_of(phase["layout"])
+        if rank >= world:
+            out.append(None)
+            continue
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/pg-{i}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=120))
+        try:
+            out.append(_phase(rank, world, phase, uri, extra, writer))
+        finally:
+            shutdown_gloo()
+            forget_dtensor_caches()
+    return out
+
+
+def train_losses(rank: int, world: int, steps: int, extra: list[str]) -> list[float]:
+    """The uninterrupted single-rank run's losses (step i+1 at index i)."""
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    trainer = Trainer(ckpt_spec("memory://unused", extra), ParallelLayout(micro_batch_size=1))
+    return [trainer.run_step().loss for _ in range(steps)]
+
+
+def roundtrip_job(rank: int, world: int, uri: str, options: dict | None,
+                  writer: str) -> dict[str, Any]:
+    """Save after 2 steps, load into a fresh trainer in this process; both take a step."""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec, layout = ckpt_spec(uri), ParallelLayout(micro_batch_size=1)
+    first = Trainer(spec, layout)
+    for _ in range(2):
+        first.run_step()
+    with CheckpointManager(spec, first, rank, world, writer=writer,
+                           storage_options=options) as mgr:
+        mgr.save(2)
+        event = mgr.wait()
+    second = Trainer(spec, layout)
+    with CheckpointManager(spec, second, rank, world, storage_options=options) as mgr:
+        step = mgr.load()
+    a, b = full_state(first), full_state(second)
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    return {"event": event, "step": step, "diffs": diffs, "keys_equal": a.keys() == b.keys(),
+            "losses": (first.run_step().loss, second.run_step().loss)}
+
+
+class DictState:
+    """A minimal StateProvider without a trainer or process group (fast in-process tests)."""
+
+    def __init__(self, seed: int = 0, numel: int = 1000) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tensors = {"model.w": torch.randn(numel, generator=gen),
+                        "model.b": torch.randn(7, 3, generator=gen)}
+        self.step = 0
+
+    def train(self) -> None:
+        self.step += 1
+        for t in self.tensors.values():
+            t.add_(1.0)
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def state_for_load(self) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros_like(v) for k, v in self.tensors.items()}
+
+    def apply_loaded(self, tensors: dict[str, torch.Tensor], *, step: int,
+                     data_cursor: int) -> None:
+        self.tensors = {k: v.clone() for k, v in tensors.items()}
+        self.step = step
+
+    def describe(self) -> dict[str, Any]:
+        return {"layout": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0},
+                "data_cursor": self.step * 12, "seed": 0}
+
+
+def killable_job(uri: str, pause_dir: str, writer: str, queue: Any) -> None:
+    """World 1: commit step 1, then start saving step 2 with a paused writer; report and wait.
+
+    The test kills the writer (or this whole process) while it is paused mid-shard.
+    """
+    os.environ["TENAX_CKPT_FAULT"] = ""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from tests.distributed import free_port, init_gloo
+    from workers.trainer import Trainer
+
+    init_gloo(0, 1, free_port())
+    spec = ckpt_spec(uri)
+    trainer = Trainer(spec, ParallelLayout(micro_batch_size=1))
+    mgr = CheckpointManager(spec, trainer, 0, 1, writer=writer, timeout_s=60)
+    trainer.run_step()
+    mgr.save(1)
+    first = mgr.wait()
+    trainer.run_step()
+    os.environ["TENAX_CKPT_FAULT"] = f"pause:{pause_dir}"
+    mgr.save(2)
+    queue.put({"first": first, "pid": os.getpid()})
+    second = mgr.wait()  # returns once the test killed our writer child
+    trainer.run_step()  # training goes on after a failed save
+    queue.put({"second": second, "step": trainer.step})

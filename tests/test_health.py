@@ -1,0 +1,201 @@
+"""Straggler detection: the pure policy and tracker on synthetic throughput series, plus one real
+chaos run (`tenax run --chaos "slow rank=1 factor=1.5 at=10"`) that must flag rank 1 only.
+
+Synthetic series: each rank's per-step busy-time throughput is a base rate times uniform jitter
+(±10%); a slowed rank's base rate is divided by its slowdown factor. Seeds are fixed, so the
+tests are deterministic, and many seeds/windows are run so a lucky draw cannot hide a bug.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from orchestrator.health import (StragglerFlag, StragglerPolicy, StragglerTracker, eviction_plan,
+                                 high_median, window_scores)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- pure pieces ---------------------------------------------------------------------------
+def test_high_median_and_scores() -> None:
+    assert high_median([3.0, 1.0, 2.0]) == 2.0
+    assert high_median([1.0, 2.0]) == 2.0  # even count: the larger middle value
+    scores = window_scores({0: 100.0, 1: 50.0})
+    assert scores == {0: 1.0, 1: 0.5}  # the healthy rank is the reference, not the mean
+    assert window_scores({0: 100.0}) == {0: 1.0}
+    assert window_scores({0: 0.0, 1: 10.0, 2: 10.0}) == {1: 1.0, 2: 1.0}
+
+
+def test_policy_needs_consecutive_windows_below_threshold() -> None:
+    policy = StragglerPolicy(threshold=0.8, action="alert")
+    low, ok = {0: 1.0, 1: 0.7}, {0: 1.0, 1: 0.95}
+    assert policy.make_decision([low, low]).action == "none"
+    assert policy.make_decision([low, ok, low]).action == "none"
+    decision = policy.make_decision([ok, low, low, low])
+    assert decision.action == "alert" and decision.stragglers == ((1, 0.7),)
+    assert "rank 1" in decision.reason
+    assert policy.make_decision([low, low, {0: 1.0}]).action == "none"  # rank 1 not measured
+
+
+@pytest.mark.parametrize("action", ["ignore", "alert", "evict"])
+def test_policy_action_is_configurable(action: str) -> None:
+    low = {0: 1.0, 1: 0.5, 2: 1.0}
+    assert StragglerPolicy(0.8, action).make_decision([low] * 3).action == action
+
+
+def test_policy_rejects_bad_configuration() -> None:
+    with pytest.raises(ValueError):
+        StragglerPolicy(0.8, "kill")
+    with pytest.raises(ValueError):
+        StragglerPolicy(1.2, "alert")
+
+
+def test_eviction_plan_takes_the_straggler_node_block() -> None:
+    nodes = ["a", "a", "b", "b", "c"]
+    node, ranks, reason = eviction_plan(StragglerFlag(3, 0.61, "evict"), nodes, 2)
+    assert (node, ranks) == ("b", (3, 2)) and "rank 3" in reason and "0.61" in reason
+    assert eviction_plan(StragglerFlag(4, 0.5, "evict"), nodes, 2)[:2] == ("c", (4,))
+
+
+# ---- tracker on synthetic series -------------------------------------------------------------
+def simulate(world: int, rate: Callable[[int, int], float], polls: int, threshold: float,
+             action: str = "alert", steps_per_poll: int = 5) -> tuple[StragglerTracker, dict[int, int]]:
+    """Feed `polls` heartbeat polls (1 s apart, `steps_per_poll` steps per rank each) into a
+    tracker; returns it and {rank: number of windows closed when the rank was first flagged}."""
+    clock = [0.0]
+    tracker = StragglerTracker(threshold, action, heartbeat_interval_s=1.0, clock=lambda: clock[0])
+    flagged_at: dict[int, int] = {}
+    step = 0
+    for _ in range(polls):
+        clock[0] += 1.0
+        records = []
+        for _ in range(steps_per_poll):
+            step += 1
+            records += [{"event": "step", "rank": r, "step": step, "rank_tokens_per_s": rate(r, step)}
+                        for r in range(world)]
+        for flag in tracker.observe(records, world):
+            flagged_at.setdefault(flag.rank, tracker.windows_closed)
+    return tracker, flagged_at
+
+
+def jitter(seed: int, base: Callable[[int, int], float]) -> Callable[[int, int], float]:
+    rng = random.Random(seed)
+    return lambda rank, step: base(rank, step) * rng.uniform(0.9, 1.1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("threshold", [0.8, 0.85])
+def test_steady_run_with_jitter_is_never_flagged(world: int, threshold: float) -> None:
+    for seed in range(10):
+        tracker, flagged = simulate(world, jitter(seed, lambda r, s: 1000.0), 400, threshold)
+        assert tracker.windows_closed >= 150
+        assert flagged == {}, f"seed {seed}: jitter flagged {flagged}"
+        assert min(tracker.scores.values()) > 0.85
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_slowdown_of_125x_is_flagged_within_three_windows(world: int) -> None:
+    """A rank 1.25× slower scores 1/1.25 = 0.8, exactly at the default threshold, so "below
+    0.8" cannot separate it from noise; a threshold of 0.85 (detects > 1.18×) flags it in the
+    first 3 full windows after the slowdown while jitter alone never reaches it (test above)."""
+    slow_rank = world - 1
+    for seed in range(10):
+        # Windows close every 2 polls (2 heartbeats); polls 1-20 = 10 windows at full speed,
+        # the slowdown starts exactly with window 11.
+        base = lambda r, s: 1000.0 / (1.25 if r == slow_rank and s > 100 else 1.0)  # noqa: E731
+        tracker, flagged = simulate(world, jitter(seed, base), 40, threshold=0.85)
+        assert set(flagged) == {slow_rank}, f"seed {seed}: {flagged}"
+        assert flagged[slow_rank] <= 10 + 3, f"seed {seed}: flagged after window {flagged[slow_rank]}"
+        assert tracker.scores[slow_rank] == pytest.approx(0.8, abs=0.06)
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0])
+def test_clear_slowdown_is_flagged_at_the_default_threshold(factor: float) -> None:
+    base = lambda r, s: 1000.0 / (factor if r == 1 and s > 100 else 1.0)  # noqa: E731
+    for seed in range(5):
+        _, flagged = simulate(2, jitter(seed, base), 40, threshold=0.8)
+        assert set(flagged) == {1} and flagged[1] <= 13
+
+
+def test_flag_is_raised_once_per_episode_and_again_after_recovery() -> None:
+    def base(rank: int, step: int) -> float:
+        slow = rank == 1 and (100 < step <= 200 or step > 300)
+        return 1000.0 / (2.0 if slow else 1.0)
+
+    clock = [0.0]
+    tracker = StragglerTracker(0.8, "alert", heartbeat_interval_s=1.0, clock=lambda: clock[0])
+    flags = []
+    for poll in range(80):
+        clock[0] += 1.0
+        records = [{"event": "step", "rank": r, "step": poll * 5 + i, "rank_tokens_per_s": base(r, poll * 5 + i)}
+                   for i in range(1, 6) for r in range(2)]
+        flags += tracker.observe(records, 2)
+    assert [f.rank for f in flags] == [1, 1]
+    assert all(f.score == pytest.approx(0.5) and f.action == "alert" for f in flags)
+
+
+def test_ignore_action_scores_but_reports_nothing() -> None:
+    base = lambda r, s: 1000.0 / (2.0 if r == 0 else 1.0)  # noqa: E731
+    tracker, flagged = simulate(3, base, 20, threshold=0.8, action="ignore")
+    assert flagged == {}
+    assert tracker.scores[0] == pytest.approx(0.5) and tracker.flagged == {0}
+
+
+def test_window_waits_for_every_rank_and_reset_forgets() -> None:
+    clock = [0.0]
+    tracker = StragglerTracker(0.8, "alert", heartbeat_interval_s=1.0, clock=lambda: clock[0])
+    for step in range(1, 30):
+        clock[0] += 1.0
+        tracker.observe([{"event": "step", "rank": 0, "step": step, "rank_tokens_per_s": 10.0}], 2)
+    assert tracker.windows_closed == 0  # rank 1 never reported: no score from one rank
+    tracker.reset()
+    assert tracker.scores == {} and not tracker.history
+
+
+# ---- end to end ------------------------------------------------------------------------------
+def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
+    """A real job on an embedded Ray: rank 1 runs 1.5× slower from step 10 and must be the only
+    rank reported as a straggler in the JSON log."""
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
+           "--set", "train.steps=400", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
+           "--set", "checkpoint.every_steps=200",
+           "--chaos", "slow rank=1 factor=1.5 at=10", "--log-json", str(log)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    stragglers = [e for e in events if e["event"] == "straggler"]
+    assert stragglers, "no straggler event for the slowed rank:\n" + "\n".join(
+        json.dumps(e) for e in events if e["event"] not in ("step", "checkpoint"))
+    assert {e["rank"] for e in stragglers} == {1}, stragglers
+    assert all(e["score"] < 0.8 and e["action"] == "alert" for e in stragglers)
+
+
+def test_evict_action_restarts_the_job_without_the_straggler_node(tmp_path: Path) -> None:
+    """Two 1-GPU nodes, rank 1 slowed: `evict` restarts on the remaining node and finishes."""
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
+           "--set", "train.steps=300", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
+           "--set", "resources.nodes=2", "--set", "resources.gpus_per_node=1",
+           "--set", "resources.max_nodes=2", "--set", "fault_tolerance.straggler_action=evict",
+           "--chaos", "slow rank=1 factor=1.5 at=10", "--log-json", str(log)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    lifecycle = "\n".join(json.dumps(e) for e in events if e["event"] not in ("step", "checkpoint"))
+    stragglers = [e for e in events if e["event"] == "straggler"]
+    assert [(e["rank"], e["action"]) for e in stragglers] == [(1, "evict")], lifecycle
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [f["kind"] for f in failures] == ["straggler"], lifecycle
+    placed = [e for e in events if e["event"] == "placed"]
+    assert [p["world_size"] for p in placed] == [2, 1], lifecycle
+    assert events[-1]["event"] == "state" and events[-1]["state"] == "SUCCEEDED", lifecycle
