@@ -4,8 +4,10 @@
 
 Why side by side: on a CPU-bound host the cost of a save is not its blocked time alone but the
 training time it loses = blocked time + the extra time of the steps that run while the write is
-in flight. Each writer ("sync", "fork", "thread" of CheckpointManager, and DCP's own
-thread-based `async_save` for reference, on a separate gloo group) saves the same dp2 ZeRO-1
+in flight. Each writer ("sync", "thread" (the default), "fork" of CheckpointManager; two ablations of
+"thread": staging on the training thread instead of behind the optimizer-step fence, and
+without lowering the writer's priority; and DCP's own thread-based `async_save` for reference,
+on a separate gloo group) saves the same dp2 ZeRO-1
 state in the same processes, right after the same steady-state measurement, so the ratios are
 comparable. Loads compare the same layout with resharding into tp2 and into dp2 ZeRO-3.
 
@@ -37,7 +39,7 @@ QUICK = {"model.dim": 256, "model.n_layers": 4, "model.ffn_hidden": 688,
 COMMON = {"model.n_heads": 8, "model.n_kv_heads": 4, "model.seq_len": 64,
           "train.global_batch_size": 4, "train.warmup_steps": 0, "train.steps": 1000,
           "parallel.micro_batch_size": 1, "checkpoint.keep_last": 2}
-WRITERS = ("sync", "thread", "thread-nice0", "fork", "dcp-thread")
+WRITERS = ("sync", "thread", "thread-stage-blocking", "thread-nice0", "fork", "dcp-thread")
 DEFAULT_ASYNC = "thread"  # what CheckpointManager uses for checkpoint.async: true
 MAX_STEPS_DURING = 40  # a write still in flight after this many steps is reported as such
 
@@ -73,6 +75,18 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
+class _NoFence:
+    """A state provider without `fence_before_update`: the manager stages while blocking."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fence_before_update":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
 class _DcpThread:
     """DCP's async_save (thread executor) behind the manager's save/in_flight interface."""
 
@@ -100,7 +114,13 @@ class _DcpThread:
             self.future.result(timeout=600)
 
 
-def _measure_save(trainer: Any, saver: Any, steady: float) -> dict[str, Any]:
+def _measure_save(trainer: Any, saver: Any) -> dict[str, Any]:
+    """One save: blocked time, then steps until the write is done, against a fresh baseline.
+
+    The baseline is the median of steps taken right before the save, so load from other
+    processes on a shared host hits the baseline and the steps during the write alike.
+    """
+    steady = statistics.median(_max_over_ranks(_timed_step(trainer)) for _ in range(3))
     t0 = time.perf_counter()
     saver.save(trainer.step)
     blocked = _max_over_ranks(time.perf_counter() - t0)
@@ -110,35 +130,53 @@ def _measure_save(trainer: Any, saver: Any, steady: float) -> dict[str, Any]:
         during.append(_max_over_ranks(_timed_step(trainer)))
     while _any_rank(saver.in_flight()):
         time.sleep(0.01)  # only when the cap was hit; training is not measured meanwhile
-    written = time.perf_counter() - t_write
-    extra = sum(d - steady for d in during)
-    return {"blocked_s": blocked, "steps_during": len(during),
-            "during_step_s": statistics.mean(during) if during else steady,
-            "lost_s": blocked + max(extra, 0.0), "write_s": written}
+    mean = statistics.mean(during) if during else steady
+    return {"blocked_s": blocked, "steps_during": len(during), "steady_step_s": steady,
+            "during_step_s": mean, "slowdown": mean / steady,
+            "lost_s": blocked + max(sum(d - steady for d in during), 0.0),
+            "write_s": time.perf_counter() - t_write}
 
 
-def _run_writer(trainer: Any, spec: Any, rank: int, world: int, writer: str, root: str,
-                steady: float, reps: int) -> dict[str, Any]:
+def _make_saver(trainer: Any, spec: Any, rank: int, world: int, writer: str, root: str) -> Any:
     from checkpoint.manager import CheckpointManager
 
+    if writer == "dcp-thread":
+        return _DcpThread(trainer, root)
+    saver = CheckpointManager(spec, trainer, rank, world, writer=writer.split("-")[0],
+                              timeout_s=600)
+    if writer == "thread-stage-blocking":  # ablation: copy on the training thread, no fence
+        saver.state = _NoFence(saver.state)
+    return saver
+
+
+def _save_once(trainer: Any, saver: Any, writer: str) -> dict[str, Any]:
     import checkpoint.writer as writer_mod
 
     nice = writer_mod.WRITER_NICE
     if writer == "thread-nice0":  # ablation: the same writer without lowering its priority
         writer_mod.WRITER_NICE = 0
-    saver = _DcpThread(trainer, root) if writer == "dcp-thread" else CheckpointManager(
-        spec, trainer, rank, world, writer=writer.split("-")[0], timeout_s=600)
-    runs = []
     try:
-        for _ in range(reps):
-            runs.append(_measure_save(trainer, saver, steady))
-            for _ in range(2):  # let the page cache and allocator settle between saves
-                _timed_step(trainer)
-        saver.close()
+        return _measure_save(trainer, saver)
     finally:
         writer_mod.WRITER_NICE = nice
-    best = min(runs, key=lambda r: r["lost_s"])  # least disturbed by the shared host
-    return {**best, "runs": runs, "slowdown": best["during_step_s"] / steady}
+
+
+def _run_writers(trainer: Any, spec: Any, rank: int, world: int, root: str,
+                 reps: int) -> dict[str, Any]:
+    """Round-robin over the writers, so a noisy neighbour disturbs every writer alike."""
+    savers = {w: _make_saver(trainer, spec, rank, world, w, root) for w in WRITERS}
+    for w, saver in savers.items():  # warm-up: first plan, buffer allocation
+        _save_once(trainer, saver, w)
+    runs: dict[str, list] = {w: [] for w in WRITERS}
+    for _ in range(reps):
+        for w, saver in savers.items():
+            runs[w].append(_save_once(trainer, saver, w))
+    for saver in savers.values():
+        saver.close()
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    return {w: {"blocked_s": med(rs, "blocked_s"), "slowdown": med(rs, "slowdown"),
+                "lost_s": med(rs, "lost_s"), "write_s": med(rs, "write_s"),
+                "steps_during": med(rs, "steps_during"), "runs": rs} for w, rs in runs.items()}
 
 
 def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, float]:
@@ -157,7 +195,7 @@ def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, flo
             mgr.load()
             times.append(_max_over_ranks(time.perf_counter() - t0))
             mgr.close()
-        out[name] = min(times)
+        out[name] = statistics.median(times)
         del trainer
     return out
 
@@ -176,10 +214,9 @@ def bench_rank(rank: int, world: int, port: int, quick: bool, root: str, queue: 
         trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
         for _ in range(2):
             _timed_step(trainer)
-        steady = statistics.median(_max_over_ranks(_timed_step(trainer)) for _ in range(6))
-        reps = 2 if quick else 3
-        writers = {w: _run_writer(trainer, spec, rank, world, w, root, steady, reps)
-                   for w in WRITERS}
+        steady = statistics.median(_max_over_ranks(_timed_step(trainer)) for _ in range(4))
+        reps = 3 if quick else 5
+        writers = _run_writers(trainer, spec, rank, world, root, reps)
         loads = _measure_loads(spec, rank, world, reps)
         doc = {"steady_step_s": steady, "writers": writers, "loads": loads,
                "state_bytes": spec.model.num_params() * 12, "params": spec.model.num_params()}
@@ -212,14 +249,15 @@ def print_table(doc: dict[str, Any]) -> None:
                         f"state, dp2 ZeRO-1 on 2 ranks, steady step {doc['steady_step_s']:.3f}s")
     for col in ("writer", "blocked s", "÷ sync", "steps during", "step ÷ steady",
                 "lost s/save", "lost ÷ sync", "write s"):
-        table.add_column(col, justify="left" if col == "writer" else "right")
+        table.add_column(col, justify="left" if col == "writer" else "right",
+                         no_wrap=col == "writer")
     sync = doc["writers"]["sync"]
     for name, r in doc["writers"].items():
         table.add_row(name, f"{r['blocked_s']:.4f}", f"{r['blocked_s'] / sync['blocked_s']:.3f}",
-                      str(r["steps_during"]), f"{r['slowdown']:.3f}", f"{r['lost_s']:.3f}",
+                      f"{r['steps_during']:g}", f"{r['slowdown']:.3f}", f"{r['lost_s']:.3f}",
                       f"{r['lost_s'] / sync['lost_s']:.3f}", f"{r['write_s']:.3f}")
     Console().print(table)
-    loads = Table(title="Loads (max over ranks, best of runs)")
+    loads = Table(title="Loads (max over ranks, median of runs)")
     for col in ("target layout", "seconds", "÷ same layout"):
         loads.add_column(col)
     same = doc["loads"]["same_dp2_zero1"]

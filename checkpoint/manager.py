@@ -52,15 +52,18 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.catalog import Catalog, CatalogError, Manifest, spec_hash, version_name
-from checkpoint.planning import PlanCache, plan_save
+from checkpoint.planning import PlanCache, plan_save, single_process_quiet
 from checkpoint.shards import FORMAT, RawReader, ShardError, byte_view
 from checkpoint.state import (Stager, StateProvider, StateProviderError, TrainerState,
                               as_state_provider, describe_error)
 from checkpoint.storage import Storage, StorageError
-from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, run_inline, start_fork,
-                               start_thread)
+from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for, run_inline,
+                               start_fork, start_thread)
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "ModelMismatchError",
+           "StateProvider", "TrainerState", "WRITERS"]
 
 WRITERS = ("auto", "fork", "thread", "sync")
 _SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseException
@@ -101,7 +104,10 @@ class CheckpointManager:
         if not 0 <= rank < world:
             raise CheckpointError(f"rank {rank} is outside world size {world}")
         self.spec, self.rank, self.world = spec, rank, world
-        self.state = as_state_provider(state)
+        try:
+            self.state = as_state_provider(state)
+        except StateProviderError as exc:
+            raise CheckpointError(str(exc)) from None
         self.timeout_s = float(timeout_s or spec.fault_tolerance.hang_timeout_s)
         self.storage = Storage(spec.checkpoint.uri, timeout_s=self.timeout_s,
                                storage_options=storage_options)
@@ -119,6 +125,7 @@ class CheckpointManager:
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stager = Stager()
+        self._fences: list[Any] = []
         self._closed = False
 
     def _pick_writer(self, writer: str) -> str:
@@ -186,19 +193,16 @@ class CheckpointManager:
             logger.info("step %d was already saved or resumed from; not saving it again", step)
             return
         self._last_attempt = step
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         self._finish_previous()
+        self._drop_fences()
         if not self._agree(self._begin(step)):
             if self.rank != 0:
                 self._record(failed_event(step, "rank 0 could not start the version", self.rank))
             return
-        planned = self._plan(step, started)
+        planned = self._plan(step, started, started_wall)
         if planned is not None:
-            flight = self._launch(*planned)
-            if flight.done():  # sync saves are finished already
-                self._record(flight.event)
-            else:
-                self._flight = flight
+            self._flight = self._launch(*planned)  # a sync save's flight is already done
 
     def _finish_previous(self, warn: bool = True) -> None:
         if self._flight is None:
@@ -208,7 +212,9 @@ class CheckpointManager:
             self.wait()
         except CheckpointTimeoutError as exc:
             self._record(failed_event(self._flight.step, str(exc), self.rank))
+            self._flight.abandon()  # a late writer must not commit, nor share our buffers
             self._flight = None
+            self._stager = Stager()
         waited = time.monotonic() - t0
         if warn and waited > 0.01:
             logger.warning("save waited %.2fs for the previous one: checkpoint.every_steps=%d "
@@ -224,7 +230,8 @@ class CheckpointManager:
             self._record(failed_event(step, f"{type(exc).__name__}: {exc}", self.rank))
             return False
 
-    def _plan(self, step: int, started: float) -> tuple[SaveJob, list] | None:
+    def _plan(self, step: int, started: float,
+              started_wall: float) -> tuple[SaveJob, list] | None:
         try:
             planned, self._plan_cache = plan_save(self.state, self.rank, self._plan_cache,
                                                   self._agree)
@@ -236,7 +243,8 @@ class CheckpointManager:
         job = SaveJob(self.storage, step, self.rank, self.world, started, self.timeout_s,
                       self.mode, file=planned.file, nbytes=planned.nbytes,
                       metadata_bytes=planned.metadata_bytes,
-                      commit=self._commit_info() if self.rank == 0 else None)
+                      commit=self._commit_info() if self.rank == 0 else None,
+                      started_wall=started_wall)
         return job, planned.tensors
 
     def _commit_info(self) -> CommitInfo:
@@ -249,25 +257,75 @@ class CheckpointManager:
                                  "job": self.spec.name})
 
     def _launch(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
+        """Start the write with the chosen writer, falling back to thread, then sync."""
         order = [self.mode] + [m for m in ("thread", "sync") if m != self.mode]
+        cause = ""
         for mode in order[order.index(self.mode):]:
             job.mode = mode
             try:
+                # thread: a copy the writer owns; fork: the child's copy-on-write view; GPU
+                # tensors always go through (pinned) host buffers first
+                on_gpu = any(t.is_cuda for _, t in tensors)
+                if mode == "thread" and not on_gpu and hasattr(self.state,
+                                                               "fence_before_update"):
+                    return self._start_fenced(job, tensors)
+                copy = mode == "thread" or on_gpu
+                job.pieces = self._stager.stage(tensors) if copy else \
+                    [(o, byte_view(t)) for o, t in tensors]
                 if mode == "sync":
-                    job.pieces, job.blocked_s = [(o, byte_view(t)) for o, t in tensors], None
+                    job.blocked_s = None
                     return run_inline(job)
-                if mode == "thread" or any(t.is_cuda for _, t in tensors):
-                    job.pieces = self._stager.stage(tensors)
-                else:  # fork: the child's copy-on-write view of the live tensors
-                    job.pieces = [(o, byte_view(t)) for o, t in tensors]
                 if mode == "thread":
                     job.blocked_s = time.monotonic() - job.started_at
                     return start_thread(job)
                 return start_fork(job)
             except Exception as exc:
-                logger.warning("checkpoint step %d: %s writer could not start (%s: %s); "
-                               "falling back", job.step, mode, type(exc).__name__, exc)
-        raise AssertionError("unreachable: the sync writer always returns")
+                cause = describe_error(exc)
+                logger.warning("checkpoint step %d: %s writer could not start (%s); "
+                               "falling back", job.step, mode, cause)
+        flight = Flight(job)
+        flight.finish(failed_event(job.step, f"no writer could start: {cause}", self.rank))
+        return flight
+
+    def _start_fenced(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
+        """Stage in the writer thread while the next step's forward/backward runs.
+
+        Training only waits if it reaches its next optimizer step before the copy is done;
+        that wait is added to the save's blocked_s. If the copy takes longer than timeout_s
+        the save is abandoned (never committed) and training goes on.
+        """
+        staged, reached, stager = threading.Event(), threading.Event(), self._stager
+        late = fault_for(job) == "stage-late"  # drills: copy only once training is at the fence
+
+        def stage() -> list:
+            try:
+                if late:
+                    reached.wait(self.timeout_s)
+                return stager.stage(tensors)
+            finally:
+                staged.set()
+
+        def fence() -> None:
+            if reached.is_set():  # one wait per save; the hook is removed at the next save
+                return
+            reached.set()
+            t0 = time.monotonic()
+            if not staged.wait(self.timeout_s):
+                logger.error("staging step %d took over %.0fs; abandoning that save",
+                             job.step, self.timeout_s)
+                job.abandoned.set()
+                self._stager = Stager()  # the late copy keeps the old buffers to itself
+            job.fence_wait_s = time.monotonic() - t0
+
+        self._fences.append(self.state.fence_before_update(fence))
+        job.blocked_s = time.monotonic() - job.started_at
+        return start_thread(job, stage)
+
+    def _drop_fences(self) -> None:
+        # outside optimizer.step(): removing a hook while it runs would mutate its dict
+        for handle in self._fences:
+            handle.remove()
+        self._fences = []
 
     def in_flight(self) -> bool:
         """True while this rank's last save is still being written (or committed, on rank 0)."""
@@ -299,6 +357,7 @@ class CheckpointManager:
         try:
             self._finish_previous(warn=False)
         finally:
+            self._drop_fences()
             self._stager.clear()
             self._closed = True
 
@@ -326,8 +385,9 @@ class CheckpointManager:
         state = self.state.state_for_load()
         version = version_name(manifest.step)
         try:
-            dcp.load(state, storage_reader=RawReader(self.storage, version),
-                     planner=DefaultLoadPlanner())
+            with single_process_quiet():
+                dcp.load(state, storage_reader=RawReader(self.storage, version),
+                         planner=DefaultLoadPlanner(), no_dist=not _dist_on())
         except (CheckpointException, ShardError, StorageError) as exc:
             raise CheckpointError(f"loading {self.storage.url(version)} failed: "
                                   f"{describe_error(exc)}") from None

@@ -13,10 +13,13 @@ with another world size would carry over.
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
@@ -46,6 +49,18 @@ class PlanCache:
     metadata_bytes: bytes | None
 
 
+def dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group; world-1 providers use none on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable")
+        yield
+
+
 def _state_of(provider: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     if hasattr(provider, "pieces_for_save"):
         return provider.pieces_for_save()
@@ -68,7 +83,8 @@ def plan_save(provider: Any, rank: int, cache: PlanCache | None,
                    for item, off in zip(cache.final_items, cache.offsets)]
         return PlannedSave(cache.file, tensors, cache.nbytes, cache.metadata_bytes, True), cache
     writer = DeferredWriter()
-    dcp.save(plain, storage_writer=writer, planner=planner())
+    with single_process_quiet():
+        dcp.save(plain, storage_writer=writer, planner=planner(), no_dist=not dist_on())
     cache = PlanCache(local_items, writer.items, [off for off, _ in writer.tensors], writer.file,
                       writer.total_bytes, writer.metadata_bytes)
     return PlannedSave(writer.file, writer.tensors, writer.total_bytes, writer.metadata_bytes,

@@ -9,7 +9,7 @@ across saves (pinned memory on GPUs) so staging costs one memcpy, not an allocat
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -61,6 +61,15 @@ class TrainerState:
         from checkpoint.pieces import save_state
 
         return save_state(self.trainer)
+
+    def fence_before_update(self, wait: Callable[[], None]) -> Any:
+        """Call `wait` before the next optimizer step; returns a handle with remove().
+
+        The trainer changes parameters and moments only inside optimizer.step() (ZeRO-1/2
+        shards are views of the parameters; their all-gather follows the step), so a copy
+        that finishes before that call is a consistent snapshot.
+        """
+        return self.trainer.optimizer.register_step_pre_hook(lambda *_: wait())
 
     def state_for_load(self) -> dict[str, torch.Tensor]:
         from checkpoint.reshard import training_state

@@ -19,7 +19,9 @@ Runners (chosen by the manager, measured in its docstring):
 Fault injection for drills and tests (read at write time, never at import): environment
 `TENAX_CKPT_FAULT=pause:DIR` makes a writer publish `DIR/writer-r<rank>-s<step>.pid` half-way
 through its shard and wait until `DIR/release` exists; `TENAX_CKPT_FAULT=fail` makes it fail as
-a full disk would. `TENAX_CKPT_FAULT_RANKS=0,2` limits either to those ranks.
+a full disk would; `TENAX_CKPT_FAULT=stage-late` makes the thread writer start its copy only
+once training has reached its next optimizer step (so that step must wait: proves the fence).
+`TENAX_CKPT_FAULT_RANKS=0,2` limits any of them to those ranks.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,7 +77,7 @@ class SaveJob:
     step: int
     rank: int
     world: int
-    started_at: float  # time.monotonic() when save() was called; the clock is system-wide
+    started_at: float  # time.monotonic() when save() was called on this rank
     timeout_s: float  # deadline for writing, waiting for the other ranks and committing
     mode: str
     file: str | None = None
@@ -84,6 +86,9 @@ class SaveJob:
     metadata_bytes: bytes | None = None
     commit: CommitInfo | None = None
     blocked_s: float | None = None  # None: a sync save, blocked for its whole duration
+    fence_wait_s: float = 0.0  # time training later waited at its optimizer step for staging
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    started_wall: float = field(default_factory=time.time)  # to find the earliest rank
 
     @property
     def version(self) -> str:
@@ -103,8 +108,10 @@ def run_job(job: SaveJob) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         files = _write_shard(job)
-        _write_marker(job, {"ok": True, "files": files, "blocked_s": job.blocked_s,
-                            "write_s": time.monotonic() - t0})
+        _check_live(job)
+        blocked = None if job.blocked_s is None else job.blocked_s + job.fence_wait_s
+        _write_marker(job, {"ok": True, "files": files, "blocked_s": blocked,
+                            "write_s": time.monotonic() - t0, "started_wall": job.started_wall})
         if job.commit is None:
             return {"event": "checkpoint_written", "step": job.step, "rank": job.rank,
                     "bytes": job.nbytes, "write_s": time.monotonic() - t0}
@@ -116,7 +123,13 @@ def run_job(job: SaveJob) -> dict[str, Any]:
         return failed_event(job.step, cause, job.rank)
 
 
-def _faults(job: SaveJob) -> str:
+def _check_live(job: SaveJob) -> None:
+    if job.abandoned.is_set():
+        raise CheckpointWriteError(f"save of step {job.step} was abandoned (staging or writing "
+                                   f"exceeded its deadline); it must not be committed")
+
+
+def fault_for(job: SaveJob) -> str:
     spec = os.environ.get(FAULT_ENV, "")
     ranks = os.environ.get(FAULT_RANKS_ENV, "")
     if ranks and str(job.rank) not in ranks.split(","):
@@ -139,9 +152,9 @@ def _pause_here(job: SaveJob, spec: str) -> None:
 
 def _write_shard(job: SaveJob) -> dict[str, int]:
     """Write the rank's shard (and rank 0's .metadata); returns {file: size}."""
-    fault = _faults(job)
+    fault = fault_for(job)
     if fault == "fail":
-        raise OSError(errno.ENOSPC, f"injected by {FAULT_ENV}=fail: no space left on device")
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}=fail)")
     files: dict[str, int] = {}
     if job.file is not None:
         rel = f"{job.version}/{job.file}"
@@ -211,8 +224,12 @@ def write_failure_marker(job: SaveJob, cause: str) -> None:
                        job.step, job.rank, exc)
 
 
-def _wait_for_ranks(job: SaveJob) -> tuple[list[str], float]:
-    """Poll the version dir until every rank's marker is there; (files, max blocked_s)."""
+def _wait_for_ranks(job: SaveJob) -> tuple[list[str], float, float]:
+    """Poll until every rank's marker is there: (files, max blocked_s, earliest start).
+
+    The earliest start is rank 0's monotonic start moved back by how much earlier (wall
+    clock) the first rank entered the save, so total_s covers every rank's part.
+    """
     names = {MARKER_FMT.format(r): r for r in range(job.world)}
     seen: dict[int, dict[str, Any]] = {}
     delay = 0.005
@@ -235,18 +252,21 @@ def _wait_for_ranks(job: SaveJob) -> tuple[list[str], float]:
         delay = min(delay * 2, 0.25)
     files = [f for doc in seen.values() for f in doc["files"]] + list(names)
     blocked = [doc.get("blocked_s") for doc in seen.values()]
-    return files, max((b for b in blocked if b is not None), default=-1.0)
+    first = min(doc.get("started_wall", job.started_wall) for doc in seen.values())
+    earliest = job.started_at - max(0.0, job.started_wall - first)
+    return files, max((b for b in blocked if b is not None), default=-1.0), earliest
 
 
 def _commit(job: SaveJob) -> dict[str, Any]:
     info = job.commit
-    files, blocked = _wait_for_ranks(job)
+    files, blocked, earliest = _wait_for_ranks(job)
+    _check_live(job)
     catalog = Catalog(job.storage)
     sync = blocked < 0  # sync saves block training for their whole duration
     manifest = catalog.commit(
         job.step, layout=info.layout, world_size=job.world, model_hash=info.model_hash,
         data_cursor=info.data_cursor, seed=info.seed, lr_step=info.lr_step,
-        blocked_s=0.0 if sync else blocked, started_at=job.started_at,
+        blocked_s=0.0 if sync else blocked, started_at=earliest,
         extra={**info.extra, "writer": job.mode}, expected_files=files)
     blocked_s = manifest.total_s if sync else blocked
     try:
@@ -264,8 +284,13 @@ class Flight:
 
     def __init__(self, job: SaveJob) -> None:
         self.step, self.mode, self.deadline = job.step, job.mode, job.deadline()
+        self._job = job
         self._done = threading.Event()
         self.event: dict[str, Any] | None = None
+
+    def abandon(self) -> None:
+        """The caller gave up waiting: a writer that wakes up later must not commit."""
+        self._job.abandoned.set()
 
     def finish(self, event: dict[str, Any]) -> None:
         self.event = event
@@ -284,10 +309,22 @@ def run_inline(job: SaveJob) -> Flight:
     return flight
 
 
-def start_thread(job: SaveJob) -> Flight:
+def start_thread(job: SaveJob, stage: Callable[[], list] | None = None) -> Flight:
+    """Write from a thread; with `stage`, the thread first stages the pieces itself.
+
+    Staging runs at normal priority (training may be waiting for it at its next optimizer
+    step); writing and committing run at WRITER_NICE.
+    """
     flight = Flight(job)
 
     def body() -> None:
+        if stage is not None:
+            try:
+                job.pieces = stage()
+            except Exception as exc:  # the stage callback also releases the training fence
+                flight.finish(failed_event(job.step, f"staging failed: {exc}", job.rank))
+                write_failure_marker(job, f"staging failed: {exc}")
+                return
         try:  # Linux: a thread id is a task id, so this lowers only the writer thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError) as exc:

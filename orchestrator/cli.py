@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable
 
 from checkpoint.cli import register as register_ckpt
+from orchestrator.client import register as register_service
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data, register_ckpt]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data, register_ckpt,
+                                                                   register_service]
 
 
 def build_parser() -> argparse.ArgumentParser:

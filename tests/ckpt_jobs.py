@@ -204,3 +204,70 @@ def killable_job(uri: str, pause_dir: str, writer: str, queue: Any) -> None:
     second = mgr.wait()  # returns once the test killed our writer child
     trainer.run_step()  # training goes on after a failed save
     queue.put({"second": second, "step": trainer.step})
+
+
+def save_modes_job(rank: int, world: int, root: str, writers: list[str]) -> dict[str, Any]:
+    """dp2 ZeRO-1: for each writer, two saves (the second reuses the plan) into root/<writer>."""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    out = {}
+    for writer in writers:
+        spec = ckpt_spec(f"file://{root}/{writer}")
+        trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
+        with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+            for _ in range(2):
+                trainer.run_step()
+                mgr.save(trainer.step)
+            mgr.wait()
+            out[writer] = mgr.drain_events()
+    return out
+
+
+def load_and_step_job(rank: int, world: int, uri: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """Load the newest committed version into `layout` and take one step."""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(uri)
+    trainer = Trainer(spec, ParallelLayout(micro_batch_size=1, **layout))
+    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        step = mgr.load()
+    cursor = trainer.loader.state_dict()["samples_consumed"]
+    return {"step": step, "cursor": cursor, "loss": trainer.run_step().loss}
+
+
+def snapshot_job(rank: int, world: int, root: str, writers: list[str]) -> dict[str, Any]:
+    """A save is a snapshot: train on right after save() returns, then load what was saved.
+
+    Returns, per writer, the largest difference between the state at save() and the state
+    loaded back (into a fresh trainer) after two more steps had run during the write.
+    """
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    layout = ParallelLayout(dp=2, zero=1, micro_batch_size=1)
+    os.environ["TENAX_CKPT_FAULT"] = "stage-late"  # the thread writer copies only at the fence
+    out = {}
+    for writer in writers:
+        spec = ckpt_spec(f"file://{root}/{writer}")
+        trainer = Trainer(spec, layout)
+        trainer.run_step()
+        at_save = full_state(trainer)
+        with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+            mgr.save(1)
+            trainer.run_step()  # these steps change every tensor while the write goes on
+            trainer.run_step()
+            event = mgr.wait()
+        fresh = Trainer(spec, layout)
+        with CheckpointManager(spec, fresh, rank, world, timeout_s=60) as mgr:
+            step = mgr.load()
+        loaded, now = full_state(fresh), full_state(trainer)
+        out[writer] = {"step": step, "event": event,
+                       "max_diff": max((loaded[k] - v).abs().max().item()
+                                       for k, v in at_save.items()),
+                       "changed": max((now[k] - v).abs().max().item() for k, v in at_save.items())}
+    return out

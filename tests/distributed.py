@@ -7,35 +7,23 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
-import os
-import socket
 import traceback
-from datetime import timedelta
 from typing import Any, Callable
 
+from workers.launch import free_port, join_process_group, leave_process_group
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "init_gloo", "run_ranks", "shutdown_gloo"]
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
     import torch
-    import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    join_process_group(rank, world, "127.0.0.1", port, timeout_s)
 
 
 def shutdown_gloo() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()  # without it ranks may SIGABRT at exit after DTensor collectives
-        dist.destroy_process_group()
+    leave_process_group()
 
 
 def _to_bytes(obj: Any) -> bytes:

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -68,7 +70,10 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     torch.set_num_threads(1)
     spec = spec_from_dict(spec_dict)
     layout = ParallelLayout.from_dict(layout_dict)
-    join_process_group(rank, world, addr, port, spec.fault_tolerance.hang_timeout_s,
+    # The collective timeout is only a backstop: the controller's hang detection
+    # (hang_timeout_s) must fire first so the cause it reports is the hung rank, not a peer's
+    # collective timing out.
+    join_process_group(rank, world, addr, port, COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s,
                        "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo")
     try:
         return _train(spec, layout, rank, world, on_step, on_event or on_step, steps,

@@ -1,0 +1,189 @@
+"""Recovery benchmark: how fast a failure is detected and how fast training resumes.
+
+    python bench/recovery_bench.py [--quick] [--json PATH]
+
+Why these ratios. Detection latency only means something relative to the timeout the user set
+(`fault_tolerance.heartbeat_timeout_s`): a killed rank process should be seen long before it
+(the actor reports the child's exit at the next heartbeat poll), a lost node within it (its
+heartbeats stop answering; goal <= 1.2 x the timeout). Recovery only means something relative to
+what a restart from scratch costs on the same machine, so the time from the fault to the first
+resumed step is divided by the cold start of the SAME job in the SAME run (controller start,
+placement, actor and process start-up, rendezvous, model build, to its first step; goal <= 0.5).
+
+Cases, one after the other in one invocation:
+- kill rank: local Ray, 1 node x 2 slots, `kill rank=R at=S` chaos (SIGKILL of the rank's
+  training process); the fault time comes from the chaos ledger.
+- lost node: cluster_utils, head + 2 GPU nodes x 2 slots; at a step the bench SIGKILLs every
+  process of node 2 (rank actors and their training processes) and removes the node
+  (`Cluster.remove_node`, raylet killed): a power loss. The fault time is the bench's clock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args,  # noqa: E402
+                          ratio, ray_cluster)
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_S = 600.0
+
+
+def analyse_faults(job: TimedJob, fault_times: list[float]) -> list[dict[str, Any]]:
+    """Per fault: detection latency, fault -> first resumed step, lost steps, detector kind."""
+    out = []
+    for tf in sorted(fault_times):
+        failure = next((e for e in job.of("failure") if e["t"] >= tf), None)
+        if failure is None:
+            out.append({"fault_t": tf, "detected": False})
+            continue
+        recovered = next((e for e in job.of("recovered") if e["t"] >= failure["t"]), None)
+        resumed = job.first_step_after(recovered["t"]) if recovered else None
+        out.append({
+            "fault_t": tf, "detected": True, "kind": failure.get("kind"),
+            "cause": failure.get("cause"),
+            "detection_s": failure["t"] - tf,
+            "resume_s": (resumed["t"] - tf) if resumed else None,
+            "controller_recovery_s": recovered.get("seconds") if recovered else None,
+            "resumed_from_step": recovered.get("step") if recovered else None,
+            "lost_steps": recovered.get("lost_steps") if recovered else None,
+            "mode": _mode_after(job, failure["t"])})
+    return out
+
+
+def _mode_after(job: TimedJob, t: float) -> str | None:
+    placed = next((e for e in job.of("placed") if e["t"] >= t), None)
+    return placed.get("mode") if placed else None
+
+
+def cold_start_s(job: TimedJob) -> float | None:
+    first = job.first_step_after(job.started_at)
+    return first["t"] - job.started_at if first else None
+
+
+def kill_rank_case(root: str, quick: bool) -> dict[str, Any]:
+    steps, kills = (25, [(1, 13)]) if quick else (50, [(1, 13), (0, 28), (1, 43)])
+    chaos = "; ".join(f"kill rank={r} at={s}" for r, s in kills)
+    with local_ray(gpus=2) as ray_info:
+        spec = make_spec(root, [f"train.steps={steps}", "resources.nodes=1",
+                                "resources.gpus_per_node=2"], "recovery-kill")
+        job = TimedJob(spec, chaos).run(TIMEOUT_S)
+        fired = job.fired()
+    faults = analyse_faults(job, list(fired.values()))
+    return {"case": "kill rank", "state": job.state, "chaos": chaos, "steps": steps,
+            "ray_init_s": ray_info["init_s"], "cold_start_s": cold_start_s(job),
+            "heartbeat_timeout_s": spec.fault_tolerance.heartbeat_timeout_s,
+            "heartbeat_interval_s": spec.fault_tolerance.heartbeat_interval_s,
+            "restarts": job.controller.restarts, "faults": faults}
+
+
+def _node_processes(node: Any) -> list[Any]:
+    """The node's raylet and everything under it: rank actors, forkservers, training processes."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    return [raylet] + raylet.children(recursive=True)
+
+
+def _lose_node(cluster: Any, node: Any, procs: list[Any], how: str) -> float:
+    """Take the node down; returns the fault time.
+
+    freeze: SIGSTOP every process of the node (a hung host or a network partition: no socket is
+    closed, peers see silence). crash: SIGKILL them all and remove the node (the kernel resets
+    the node's connections, so peers see errors at once)."""
+    import psutil
+
+    t_fault = time.time()
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    if how == "crash":
+        cluster.remove_node(node, allow_graceful=False)
+    logger.info("%s node %s (%d processes)", how, node.node_id[:8], len(procs))
+    return t_fault
+
+
+def _bury(procs: list[Any]) -> None:
+    """After a freeze: kill the stopped processes so the cluster can shut down."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def node_loss_case(root: str, quick: bool, how: str) -> dict[str, Any]:
+    steps, at = (25, 12) if quick else (40, 17)
+    with ray_cluster(gpu_nodes=2) as (cluster, nodes):
+        spec = make_spec(root, [f"train.steps={steps}", "resources.nodes=2",
+                                "resources.gpus_per_node=2", "resources.min_nodes=1",
+                                "resources.max_nodes=2", "fault_tolerance.max_restarts=3"],
+                         f"recovery-node-{how}")
+        job = TimedJob(spec).start()
+        job.wait_for(lambda: job.controller.step >= at, TIMEOUT_S, f"step {at}")
+        victim = next(n for n in nodes if n.node_id == job.controller.group.ranks[2].node_id)
+        procs = _node_processes(victim)
+        t_fault = _lose_node(cluster, victim, procs, how)
+        try:
+            job.finish(TIMEOUT_S)
+        finally:
+            _bury(procs)
+    faults = analyse_faults(job, [t_fault])
+    return {"case": f"lost node ({how})", "state": job.state, "cause": job.controller.cause,
+            "steps": steps, "fault_after_step": at, "cold_start_s": cold_start_s(job),
+            "heartbeat_timeout_s": spec.fault_tolerance.heartbeat_timeout_s,
+            "heartbeat_interval_s": spec.fault_tolerance.heartbeat_interval_s,
+            "restarts": job.controller.restarts, "faults": faults,
+            "world_after": (job.of("recovered") or [{}])[-1].get("world_size")}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def add_rows(report: Report, case: dict[str, Any], goal_detect: str) -> None:
+    faults = [f for f in case["faults"] if f.get("detected")]
+    name, timeout = case["case"], case["heartbeat_timeout_s"]
+    detect = _mean([f["detection_s"] for f in faults])
+    resume = _mean([f["resume_s"] for f in faults])
+    kinds = ",".join(sorted({str(f["kind"]) for f in faults})) or "none"
+    report.add(f"{name}: detection ÷ heartbeat timeout", ratio(detect, timeout), goal_detect,
+               f"{detect or 0:.2f} s vs {timeout:.1f} s; detector: {kinds}")
+    report.add(f"{name}: fault → resumed step ÷ cold start", ratio(resume, case["cold_start_s"]),
+               "<= 0.5", f"{resume or 0:.2f} s vs cold start {case['cold_start_s'] or 0:.2f} s; "
+               f"mode {','.join(str(f['mode']) for f in faults)}")
+    report.add(f"{name}: lost steps per failure", _mean([f["lost_steps"] for f in faults]),
+               note=f"{len(faults)} fault(s), checkpoint every 5 steps; job {case['state']}")
+
+
+def main() -> int:
+    args = parse_args(__doc__)
+    report = Report("Recovery: detection and resume, measured side by side")
+    with tempfile.TemporaryDirectory(prefix="tenax-recovery-") as root:
+        cases = [kill_rank_case(root, args.quick)] + \
+            [node_loss_case(root, args.quick, how) for how in ("freeze", "crash")]
+    for case in cases:
+        add_rows(report, case, "<= 1.2")
+    kill = cases[0]
+    report.add("kill rank: Ray start (context)", kill["ray_init_s"], unit="s",
+               note="embedded ray.init, what `tenax run` adds before the controller starts")
+    report.context = {"quick": args.quick, "cases": cases}
+    report.finish(args.json_path)
+    return 0 if all(c["state"] == "SUCCEEDED" for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Helpers for tests of `tenax serve`: server subprocesses, stubs, bounded waits on streams."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+from tenax.v1 import jobs_pb2 as pb
+from tenax.v1 import jobs_pb2_grpc as pb_grpc
+
+from tests.ray_helpers import SMALL
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def auth(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def stub(port: int) -> pb_grpc.JobServiceStub:
+    return pb_grpc.JobServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def job_overrides(tmp_path: Path, name: str, extra: list[str]) -> list[str]:
+    uri = f"file://{tmp_path}/{name}-{time.monotonic_ns()}"
+    return SMALL + [f"checkpoint.uri={uri}", f"name={name}"] + extra
+
+
+def submit(s: pb_grpc.JobServiceStub, md: list, overrides: list[str], spec: str = "{}") -> str:
+    request = pb.SubmitJobRequest(spec_json=spec, overrides=overrides)
+    return s.SubmitJob(request, timeout=15, metadata=md).job_id
+
+
+def watch(s: pb_grpc.JobServiceStub, md: list, job_id: str, timeout_s: float,
+          until: Callable[[dict[str, Any]], bool] | None = None,
+          after_seq: int = 0) -> list[dict[str, Any]]:
+    """Events (JSON + seq) until the stream ends, or until `until(event)` holds (then cancel).
+
+    The stream's deadline bounds the wait: a job that never gets there fails the test with
+    DEADLINE_EXCEEDED instead of hanging it."""
+    call = s.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq), timeout=timeout_s,
+                      metadata=md)
+    events = []
+    for message in call:
+        event = {**json.loads(message.json), "seq": message.seq, "kind": message.kind}
+        events.append(event)
+        if until is not None and until(event):
+            call.cancel()
+            break
+    return events
+
+
+def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == kind]
+
+
+def states(events: list[dict[str, Any]]) -> list[str]:
+    return [e["state"] for e in of(events, "state")]
+
+
+def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a call that must fail."""
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    raise AssertionError("the call succeeded; an error status was expected")
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Processes whose command line mentions `text` (a private temp dir of a test)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+    return pids
+
+
+class ServerProcess:
+    """`tenax serve` in a subprocess; `port` once its ready line was printed."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 90) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", *args],
+            cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+            stderr=open(log, "ab"), text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout],
+                         daemon=True).start()
+        try:
+            line = lines.get(timeout=ready_timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise AssertionError(f"tenax serve not ready in {ready_timeout_s} s: {self.tail()}")
+        if "listening on" not in line:
+            self.kill()
+            raise AssertionError(f"unexpected first line {line!r}: {self.tail()}")
+        self.port = int(line.split("listening on ")[1].split(";")[0].rsplit(":", 1)[1])
+
+    def tail(self, n: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def terminate(self, timeout_s: float) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"tenax serve ignored SIGTERM for {timeout_s} s: {self.tail()}")
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None,
+            timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout_s)
