@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import ray
 
+from orchestrator.capacity import cluster_capacity, node_answers
 from orchestrator.chaos import ChaosEvent, ChaosLedger
 from orchestrator.goodput import Goodput
 from orchestrator.health import StragglerFlag, StragglerTracker, eviction_plan
@@ -49,11 +50,6 @@ class JobState(str, Enum):
     @property
     def terminal(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
-
-
-@ray.remote(num_cpus=0)
-def _probe() -> bool:
-    return True
 
 
 class Controller:
@@ -336,15 +332,7 @@ class Controller:
 
     # ---- capacity ----------------------------------------------------------------------------
     def capacity(self) -> Capacity:
-        g = self.spec.resources.gpus_per_node
-        nodes, parts = 0, []
-        for node in ray.nodes():
-            gpus = int(node.get("Resources", {}).get("GPU", 0)) if node.get("Alive") else 0
-            usable = max(0, gpus - self.lost_slots.get(node["NodeID"], 0)) // g
-            nodes += usable
-            if gpus:
-                parts.append(f"{node['NodeID'][:8]}: {usable} node(s)")
-        return Capacity(nodes, f"({', '.join(parts)})")
+        return cluster_capacity(self.spec.resources.gpus_per_node, self.lost_slots)
 
     def _mark_lost_nodes(self) -> None:
         """A node-sized block is lost when a chaos `kill node` targeted it, or when every one of
@@ -356,22 +344,14 @@ class Controller:
             block = self.group.ranks[k * g:(k + 1) * g]
             if not block:
                 continue
+            timeout = self.spec.fault_tolerance.heartbeat_timeout_s
             if not self._chaos_killed(k):
-                if not all(h.rank in failed for h in block) or self._node_answers(block[0].node_id):
+                if not all(h.rank in failed for h in block) or node_answers(block[0].node_id, timeout):
                     continue
             node = block[0].node_id
             self.lost_slots[node] = self.lost_slots.get(node, 0) + len(block)
             self.group.mark_lost(node)
             logger.warning("job %s: node block %d (Ray node %s) lost", self.job_id, k, node[:8])
-
-    def _node_answers(self, node_id: str) -> bool:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        ref = _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        try:
-            return bool(ray.get(ref, timeout=self.spec.fault_tolerance.heartbeat_timeout_s))
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
 
     def _chaos_killed(self, node_block: int) -> bool:
         """Whether a not yet accounted `kill node` drill hit this block (consumes it)."""

@@ -73,8 +73,9 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     # The collective timeout is only a backstop: the controller's hang detection
     # (hang_timeout_s) must fire first so the cause it reports is the hung rank, not a peer's
     # collective timing out.
-    join_process_group(rank, world, addr, port, COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s,
-                       "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo")
+    backend = "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo"
+    join_process_group(rank, world, addr, port,
+                       COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
     try:
         return _train(spec, layout, rank, world, on_step, on_event or on_step, steps,
                       should_stop, resume, storage_options)
