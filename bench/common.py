@@ -188,7 +188,8 @@ class TimedJob:
 # ---- reports -----------------------------------------------------------------------------------
 @dataclass
 class Row:
-    """One measured figure; `goal` like '<= 1.2' or '>= 0.95' (empty: context only)."""
+    """One measured figure; `goal` like '<= 1.2', '>= 0.95' or '== 1 ±0.01' (relative
+    tolerance; empty goal: context only)."""
     name: str
     value: float | None
     goal: str = ""
@@ -199,10 +200,12 @@ class Row:
     def met(self) -> bool | None:
         if not self.goal or self.value is None:
             return None
-        op, target = self.goal.split()
+        op, target, *tol = self.goal.split()
         target_f = float(target)
-        return {"<=": self.value <= target_f, ">=": self.value >= target_f,
-                "==": abs(self.value - target_f) <= 0.005 * max(abs(target_f), 1e-12)}[op]
+        if op == "==":
+            rel = float(tol[0].lstrip("±")) if tol else 1e-9
+            return abs(self.value - target_f) <= rel * max(abs(target_f), 1e-12)
+        return {"<=": self.value <= target_f, ">=": self.value >= target_f}[op]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "met": self.met}

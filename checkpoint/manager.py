@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any
 
+from fsspec.implementations.memory import MemoryFileSystem
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -112,7 +113,7 @@ class CheckpointManager:
         self.storage = Storage(spec.checkpoint.uri, timeout_s=self.timeout_s,
                                storage_options=storage_options)
         self.catalog = Catalog(self.storage)
-        if self.storage.fs.protocol in ("memory", ("memory",)) and world > 1:
+        if isinstance(self.storage.fs, MemoryFileSystem) and world > 1:
             raise CheckpointError(f"{self.storage.uri}: memory:// lives in one process and "
                                   f"cannot hold a checkpoint of {world} ranks; use file:// or "
                                   f"an object store")
@@ -288,33 +289,36 @@ class CheckpointManager:
         return flight
 
     def _start_fenced(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
-        """Stage in the writer thread while the next step's forward/backward runs.
+        """Copy the state for the writer without blocking training for the copy.
 
-        Training only waits if it reaches its next optimizer step before the copy is done;
-        that wait is added to the save's blocked_s. If the copy takes longer than timeout_s
-        the save is abandoned (never committed) and training goes on.
+        The low-priority writer thread copies while the next step runs; at that step's
+        optimizer call (the first moment the state changes) the training thread copies
+        whatever is left itself and waits for copies in progress. That wait is added to the
+        save's blocked_s. If it exceeds timeout_s the save is abandoned (never committed) and
+        training goes on.
         """
-        staged, reached, stager = threading.Event(), threading.Event(), self._stager
+        staging, reached = self._stager.shared(tensors), threading.Event()
         late = fault_for(job) == "stage-late"  # drills: copy only once training is at the fence
 
         def stage() -> list:
-            try:
-                if late:
-                    reached.wait(self.timeout_s)
-                return stager.stage(tensors)
-            finally:
-                staged.set()
+            if late:
+                reached.wait(self.timeout_s)
+            staging.help()
+            if not staging.wait(self.timeout_s):
+                raise CheckpointTimeoutError(f"staging step {job.step} did not finish")
+            return staging.pieces()
 
         def fence() -> None:
             if reached.is_set():  # one wait per save; the hook is removed at the next save
                 return
             reached.set()
             t0 = time.monotonic()
-            if not staged.wait(self.timeout_s):
-                logger.error("staging step %d took over %.0fs; abandoning that save",
-                             job.step, self.timeout_s)
+            staging.help()
+            if not staging.wait(self.timeout_s) or staging.error:
+                logger.error("staging step %d failed or took over %.0fs (%s); abandoning that "
+                             "save", job.step, self.timeout_s, staging.error or "timeout")
                 job.abandoned.set()
-                self._stager = Stager()  # the late copy keeps the old buffers to itself
+                self._stager = Stager()  # a late copy keeps the old buffers to itself
             job.fence_wait_s = time.monotonic() - t0
 
         self._fences.append(self.state.fence_before_update(fence))

@@ -9,6 +9,7 @@ across saves (pinned memory on GPUs) so staging costs one memcpy, not an allocat
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Protocol
 
 import torch
@@ -116,20 +117,76 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
 
-    def stage(self, tensors: list[tuple[int, torch.Tensor]]) -> list[tuple[int, Any]]:
-        out, on_gpu = [], False
-        for i, (offset, t) in enumerate(tensors):
+    def buffers_for(self, tensors: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        for i, (_, t) in enumerate(tensors):
             buf = self._buffers[i] if i < len(self._buffers) else None
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                self._buffers[i:i + 1] = [buf]
-            buf.copy_(t.detach(), non_blocking=t.is_cuda)
-            on_gpu |= t.is_cuda
-            out.append((offset, buf))
+                self._buffers[i:i + 1] = [torch.empty(t.shape, dtype=t.dtype,
+                                                      pin_memory=t.is_cuda)]
         del self._buffers[len(tensors):]
-        if on_gpu:
-            torch.cuda.synchronize()
-        return [(offset, byte_view(buf)) for offset, buf in out]
+        return list(self._buffers)
+
+    def stage(self, tensors: list[tuple[int, torch.Tensor]]) -> list[tuple[int, Any]]:
+        """Copy everything now, on the calling thread."""
+        staging = self.shared(tensors)
+        staging.help()
+        return staging.pieces()
+
+    def shared(self, tensors: list[tuple[int, torch.Tensor]]) -> "SharedStaging":
+        return SharedStaging(tensors, self.buffers_for(tensors))
 
     def clear(self) -> None:
         self._buffers = []
+
+
+class SharedStaging:
+    """A copy of many tensors that any number of threads can help finish.
+
+    Why: a low-priority writer thread copies while cores are idle (ranks waiting in
+    collectives); at the next optimizer step the training thread copies whatever is left at
+    full speed instead of waiting, so training never loses more than a blocking copy would.
+    `torch.Tensor.copy_` releases the GIL, so helpers run in parallel.
+    """
+
+    def __init__(self, tensors: list[tuple[int, torch.Tensor]],
+                 buffers: list[torch.Tensor]) -> None:
+        self._tensors, self._buffers = tensors, buffers
+        self._lock = threading.Lock()
+        self._next = self._finished = 0
+        self._done = threading.Event()
+        self.error: str | None = None
+        if not tensors:
+            self._done.set()
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self._next >= len(self._tensors) or self.error is not None:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def help(self) -> None:
+        """Copy tensors until none is left to take (others may still be copying theirs)."""
+        while (i := self._take()) is not None:
+            t = self._tensors[i][1]
+            try:
+                self._buffers[i].copy_(t.detach(), non_blocking=t.is_cuda)
+                if t.is_cuda:
+                    torch.cuda.current_stream(t.device).synchronize()
+            except Exception as exc:
+                self.error = describe_error(exc)
+                self._done.set()
+                return
+            with self._lock:
+                self._finished += 1
+                if self._finished == len(self._tensors):
+                    self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once every tensor is copied (or an error stopped the copy)."""
+        return self._done.wait(max(0.0, timeout_s))
+
+    def pieces(self) -> list[tuple[int, Any]]:
+        if self.error is not None or not self._done.is_set():
+            raise RuntimeError(f"staging incomplete: {self.error or 'still copying'}")
+        return [(offset, byte_view(buf)) for (offset, _), buf in zip(self._tensors, self._buffers)]

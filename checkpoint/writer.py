@@ -8,13 +8,16 @@ it failed). Rank 0's job then waits for every rank's marker and only then commit
 commit needs no process group: it survives a rank dying mid-write (its marker never appears,
 rank 0 gives up at the deadline) and does not interleave with training collectives on gloo.
 
-Runners (chosen by the manager, measured in its docstring):
-- `start_fork`: fork a child at nice 19; the child sees a copy-on-write snapshot of the
-  tensors, so staging costs a fork instead of a memcpy. Local filesystems only: memory:// is
-  per-process, and object-store clients hold event loops that do not survive a fork.
-- `start_thread`: write a staged copy from a thread whose OS priority is lowered (Linux lets a
-  thread have its own nice value).
-- inline: `run_job` on the caller's thread (sync saves).
+Runners (chosen by the manager; see its docstring for the measurements behind the choice):
+- `start_thread` (the default for `checkpoint.async: true`): a thread whose OS priority is
+  lowered (Linux lets a thread have its own nice value) writes from host copies; with a
+  `stage` callback it also makes those copies first (the manager's fenced, shared staging).
+- `start_fork`: fork a child at the same low priority that writes from a copy-on-write
+  snapshot of the live tensors (staging costs a fork instead of a memcpy). Measured to lose
+  more training time than the thread (every page the next step writes faults and is copied);
+  kept as an option and for the benchmark. Local filesystems only: memory:// is per-process,
+  and object-store clients hold event loops that do not survive a fork.
+- `run_inline`: on the caller's thread (sync saves).
 
 Fault injection for drills and tests (read at write time, never at import): environment
 `TENAX_CKPT_FAULT=pause:DIR` makes a writer publish `DIR/writer-r<rank>-s<step>.pid` half-way
@@ -310,25 +313,22 @@ def run_inline(job: SaveJob) -> Flight:
 
 
 def start_thread(job: SaveJob, stage: Callable[[], list] | None = None) -> Flight:
-    """Write from a thread; with `stage`, the thread first stages the pieces itself.
-
-    Staging runs at normal priority (training may be waiting for it at its next optimizer
-    step); writing and committing run at WRITER_NICE.
-    """
+    """Write from a thread at WRITER_NICE; with `stage`, it first fills job.pieces itself."""
     flight = Flight(job)
 
     def body() -> None:
-        if stage is not None:
-            try:
-                job.pieces = stage()
-            except Exception as exc:  # the stage callback also releases the training fence
-                flight.finish(failed_event(job.step, f"staging failed: {exc}", job.rank))
-                write_failure_marker(job, f"staging failed: {exc}")
-                return
         try:  # Linux: a thread id is a task id, so this lowers only the writer thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError) as exc:
             logger.debug("cannot lower the writer thread's priority: %s", exc)
+        if stage is not None:
+            try:
+                job.pieces = stage()
+            except Exception as exc:
+                cause = f"staging failed: {type(exc).__name__}: {exc}"
+                write_failure_marker(job, cause)
+                flight.finish(failed_event(job.step, cause, job.rank))
+                return
         flight.finish(run_job(job))
 
     threading.Thread(target=body, name=f"ckpt-writer-{job.step}", daemon=True).start()

@@ -174,6 +174,8 @@ def cmd_watch(args: argparse.Namespace, client: Client) -> int:
 
     from orchestrator.wire import event_dict, state_name
 
+    # Fail fast on a wrong server or job id; only a stream that was up gets reconnected.
+    client.call("GetJob", pb.GetJobRequest(job_id=args.job_id))
     after, final, lost_at = 0, None, None
     while True:
         try:
@@ -190,8 +192,8 @@ def cmd_watch(args: argparse.Namespace, client: Client) -> int:
                 raise RpcFailed(rpc_error_text(client.server, "WatchJob", err)) from None
             lost_at = lost_at or time.monotonic()
             if time.monotonic() - lost_at > args.reconnect_s:
-                raise RpcFailed(rpc_error_text(client.server, "WatchJob", err)
-                                + f"; gave up reconnecting after {args.reconnect_s:.0f} s") from None
+                text = rpc_error_text(client.server, "WatchJob", err)
+                raise RpcFailed(f"{text}; gave up after {args.reconnect_s:.0f} s") from None
             print(f"connection to {client.server} lost ({err.code().name}); reconnecting "
                   f"after event {after}", file=sys.stderr, flush=True)
             time.sleep(min(5.0, 0.5 + (time.monotonic() - lost_at) / 4))

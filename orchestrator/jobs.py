@@ -21,6 +21,8 @@ import threading
 import uuid
 from typing import Any, Callable
 
+import yaml
+
 from checkpoint.catalog import Catalog, CatalogError
 from checkpoint.storage import Storage
 from orchestrator.controller import Controller
@@ -30,6 +32,7 @@ from orchestrator.store import JobRecord, JobStore, StoreError
 logger = logging.getLogger(__name__)
 
 MAX_SPEC_CHARS = 1 << 20
+MAX_OVERRIDES, MAX_OVERRIDE_CHARS = 200, 4096
 STORAGE_TIMEOUT_S = 15.0
 DETACH_TIMEOUT_S = 30.0
 
@@ -89,11 +92,15 @@ def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
         raise SpecError(f"spec_json: not valid JSON: {err}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"spec_json: top level must be an object, got {type(raw).__name__}")
+    if len(overrides) > MAX_OVERRIDES or any(len(o) > MAX_OVERRIDE_CHARS for o in overrides):
+        raise SpecError(f"overrides: at most {MAX_OVERRIDES}, each at most "
+                        f"{MAX_OVERRIDE_CHARS} characters")
     try:
         raw = apply_overrides(raw, overrides)
     except SpecError:
         raise
-    except (ValueError, TypeError, RecursionError, ArithmeticError) as err:  # yaml errors too
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError, ArithmeticError) as err:
+        # a value is parsed as YAML (typed by its field): unterminated lists and the like
         raise SpecError(f"overrides: {type(err).__name__}: {err}") from None
     try:
         return spec_from_dict(raw)

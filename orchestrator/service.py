@@ -74,7 +74,10 @@ class RpcAbort(Exception):
 
 
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn RpcAbort, SpecError and surprises into gRPC statuses (never a crash or a hang)."""
+    """Turn RpcAbort, SpecError and surprises into gRPC statuses (never a crash or a hang).
+
+    Handlers raise RpcAbort and never call `context.abort` themselves (it raises a bare
+    Exception that this wrapper could not tell from a bug)."""
 
     def fail(err: BaseException, context: grpc.ServicerContext) -> None:
         if isinstance(err, RpcAbort):
@@ -93,9 +96,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 yield from method(self, request, context)
-            except Exception as err:  # abort() raises its own exception type: pass it on
-                if _is_abort(err):
-                    raise
+            except Exception as err:  # GeneratorExit (client went away) is not an Exception
                 fail(err, context)
         return stream
 
@@ -104,14 +105,8 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except Exception as err:
-            if _is_abort(err):
-                raise
             fail(err, context)
     return unary
-
-
-def _is_abort(err: BaseException) -> bool:
-    return type(err).__name__ == "_AbortError" or isinstance(err, grpc.RpcError)
 
 
 def _job_id(value: str) -> str:
@@ -208,8 +203,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
                 after = event.seq
             if len(batch) == WATCH_BATCH:
                 continue
-            if record.terminal and not self.manager.running(job_id):
-                return  # the terminal state event was stored before the state changed
+            if record.terminal:
+                return  # the terminal state event was stored with the state: all was read
             self.manager.wait_for_change(version, WATCH_WAKE_S)
 
     @_rpc

@@ -118,6 +118,8 @@ class JobStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
         except (OSError, sqlite3.Error) as err:
+            if self._owner is not None:
+                self._owner.close()
             raise StoreError(f"cannot open the job store {self.path}: {err}") from None
         if str(mode).lower() != "wal":
             raise StoreError(f"{self.path}: sqlite refused WAL journaling (got {mode!r})")
@@ -272,12 +274,18 @@ class _Txn:
                 self.db.execute("COMMIT")
                 return False
             except sqlite3.Error as err:
-                self.db.execute("ROLLBACK")
+                self._rollback()
                 raise StoreError(f"job store {self.path}: commit failed: {err}") from None
-        self.db.execute("ROLLBACK")
+        self._rollback()
         if isinstance(exc, sqlite3.Error):
             raise StoreError(f"job store {self.path}: {exc}") from None
         return False
+
+    def _rollback(self) -> None:
+        try:
+            self.db.execute("ROLLBACK")
+        except sqlite3.Error as err:  # nothing to roll back (sqlite already did): keep the cause
+            logger.debug("rollback: %s", err)
 
 
 def _own_state_dir(state_dir: Path) -> Any:

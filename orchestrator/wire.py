@@ -39,7 +39,8 @@ def set_layout(message: Any, doc: Any) -> None:
         return
     for key in LAYOUT_KEYS:
         value = doc.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and _INT32[0] <= value < _INT32[1]:
+        if isinstance(value, int) and not isinstance(value, bool) and \
+                _INT32[0] <= value < _INT32[1]:
             setattr(message, key, value)
 
 

@@ -144,3 +144,82 @@ def run_cli(args: list[str], env: dict[str, str] | None = None,
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout_s)
+
+
+# ---- fuzzing (hypothesis) -----------------------------------------------------------------
+def bad_specs() -> Any:
+    """(spec_json, overrides) pairs that are invalid by construction."""
+    from hypothesis import strategies as st
+
+    sections = ["model", "parallel", "train", "data", "checkpoint", "resources",
+                "fault_tolerance"]
+    scalar = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(
+        max_size=12)
+    value = st.recursive(scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(
+        st.text(max_size=6), c, max_size=3), max_leaves=6)
+
+    def not_an_object(text: str) -> bool:
+        try:
+            return not isinstance(json.loads(text), dict)
+        except ValueError:
+            return True
+
+    return st.one_of(
+        st.tuples(st.text(max_size=80).filter(not_an_object), st.just([])),
+        st.tuples(value.filter(lambda v: not isinstance(v, dict)).map(json.dumps), st.just([])),
+        st.tuples(st.builds(lambda d, k, v: json.dumps({**d, f"zz{k}": v}), st.dictionaries(
+            st.sampled_from(sections), value, max_size=2), st.text(max_size=6), value),
+            st.just([])),
+        st.tuples(st.builds(lambda k, v: json.dumps({k: v}), st.sampled_from(sections),
+                            scalar.filter(lambda v: v is not None)), st.just([])),
+        st.tuples(st.builds(lambda n: json.dumps({"train": {"steps": n}}),
+                            st.integers(max_value=0)), st.just([])),
+        st.tuples(st.just("{}"), st.lists(st.text(max_size=20).filter(lambda o: "=" not in o),
+                                          min_size=1, max_size=3)),
+        st.tuples(st.just("{}"), st.lists(st.builds(  # typed fields get YAML values: unclosed
+            lambda k, v: f"{k}=[{v}", st.sampled_from(["train.steps", "parallel.tp", "model.moe",
+                                                        "resources.nodes", "train.lr"]),
+            st.text(max_size=10).filter(lambda v: "]" not in v)), min_size=1, max_size=2)),
+        st.tuples(st.just("{}"), st.lists(st.builds(lambda k, v: f"zz{k}={v}", st.text(
+            max_size=8), st.text(max_size=8)), min_size=1, max_size=2)))
+
+
+def bad_rpcs() -> Any:
+    """(kind, a, b) calls that must fail: unknown ids, bad enums, raw bytes, wrong tokens."""
+    from hypothesis import strategies as st
+
+    ids, ints = st.text(max_size=60), st.integers(-2**31, 2**31 - 1)
+    return st.one_of(
+        st.tuples(st.sampled_from(FUZZ_METHODS), ids, ints),
+        st.tuples(st.just("WatchJob"), ids, ints),
+        st.tuples(st.just("ListJobs"), st.just(""),
+                  st.integers(9, 2**31 - 1) | st.integers(-2**31, -1)),
+        st.tuples(st.just("raw"), st.sampled_from(FUZZ_METHODS), st.binary(max_size=40)),
+        st.tuples(st.just("token"), st.text(st.characters(min_codepoint=33, max_codepoint=126),
+                                            max_size=30), st.just(0)))
+
+
+FUZZ_METHODS = ["GetJob", "CancelJob", "ScaleJob", "ListCheckpoints"]
+
+
+def fuzz_call(s: Any, channel: Any, md: list, token: str,
+              case: tuple) -> tuple[grpc.StatusCode, str]:
+    """Make one fuzz case's call; its status code and details."""
+    kind, a, b = case
+    if kind == "spec":
+        return code_of(lambda: submit(s, md, b, a))
+    if kind == "WatchJob":
+        return code_of(lambda: watch(s, md, a, timeout_s=10, after_seq=b))
+    if kind == "ListJobs":  # an enum value jobs.proto lacks, or a negative limit
+        request = pb.ListJobsRequest(states=[b]) if b > 0 else pb.ListJobsRequest(limit=b)
+        return code_of(lambda: s.ListJobs(request, timeout=10, metadata=md))
+    if kind == "raw":  # bytes straight onto the wire, whatever they decode to
+        call = channel.unary_unary(f"/tenax.v1.JobService/{a}")
+        return code_of(lambda: call(b, timeout=10, metadata=md))
+    if kind == "token":
+        md = auth(a) if a != token else []
+        return code_of(lambda: s.GetJob(pb.GetJobRequest(job_id="x"), timeout=10, metadata=md))
+    request = {"GetJob": pb.GetJobRequest(job_id=a), "CancelJob": pb.CancelJobRequest(job_id=a),
+               "ScaleJob": pb.ScaleJobRequest(job_id=a, nodes=b),
+               "ListCheckpoints": pb.ListCheckpointsRequest(job_id=a)}[kind]
+    return code_of(lambda: getattr(s, kind)(request, timeout=10, metadata=md))

@@ -113,7 +113,7 @@ def _valid_layouts() -> list[dict]:
 VALID = _valid_layouts()
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pair=st.tuples(st.sampled_from(VALID), st.sampled_from(VALID)).filter(
     lambda p: p[0] != p[1]))

@@ -1,0 +1,119 @@
+"""Goodput under faults: a run with a rank killed every 50 steps vs the same run without faults.
+
+    python bench/goodput_bench.py [--quick] [--json PATH]
+
+Why compare to a fault-free run of the same job in the same invocation: what a user wants to
+know is what fraction of the fault-free rate survives a given fault rate, and on a shared host
+only a side-by-side run makes that comparable. Figures:
+- committed-step rate ratio: (train.steps ÷ wall)_faulted ÷ (train.steps ÷ wall)_clean, wall
+  from controller start to `done` (goal >= 0.95);
+- goodput: productive ÷ wall time from the controller's own accounting (orchestrator/goodput.py)
+  for both runs, and their ratio (goal >= 0.95);
+- step efficiency: committed steps ÷ steps computed (redone steps after a rollback count as
+  computed but not committed);
+- cost per fault in seconds, and the fault interval that this cost would need to meet 0.95.
+Faults are `kill rank` (SIGKILL of one rank's training process) at steps 50, 100, ...;
+checkpoints every 10 steps (at most 9 steps lost per fault). The final losses must match.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, ratio  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
+         "model.vocab_size=512", "model.seq_len=128", "model.ffn_hidden=688",
+         "parallel.micro_batch_size=2", "resources.nodes=1", "resources.gpus_per_node=2",
+         "checkpoint.every_steps=10"]
+FAULT_EVERY = 50
+TIMEOUT_S = 1800.0
+
+
+def run(root: str, steps: int, chaos: str | None, name: str) -> dict[str, Any]:
+    job = TimedJob(make_spec(root, MODEL + [f"train.steps={steps}"], name), chaos).run(TIMEOUT_S)
+    done = (job.of("done") or [{}])[-1]
+    first = job.first_step_after(job.started_at)
+    end = done.get("t", job.finished_at)
+    step_s = sorted(e["step_s"] for e in job.of("step"))
+    return {"name": name, "chaos": chaos, "state": job.state, "cause": job.controller.cause,
+            "median_step_s": step_s[len(step_s) // 2] if step_s else None,
+            "stalls_s": stalls(job),
+            "wall_s": end - job.started_at,
+            "wall_from_first_step_s": end - first["t"] if first else None,
+            "steps_computed": len(job.of("step")), "steps": steps,
+            "restarts": job.controller.restarts, "lost_steps": job.controller.lost_steps,
+            "goodput": done.get("goodput", {}), "final_loss": job.losses().get(steps),
+            "recoveries_s": [e["seconds"] for e in job.of("recovered")]}
+
+
+def stalls(job: TimedJob) -> list[float]:
+    """Per failure: last step record before it -> first step record after its recovery."""
+    out = []
+    for failure in job.of("failure"):
+        before = [e for e in job.of("step") if e["t"] <= failure["t"]]
+        recovered = next((e for e in job.of("recovered") if e["t"] >= failure["t"]), None)
+        after = job.first_step_after(recovered["t"]) if recovered else None
+        if before and after:
+            out.append(round(after["t"] - before[-1]["t"], 3))
+    return out
+
+
+def _normalized_rate(r: dict[str, Any]) -> float:
+    """Ideal time (steps x this run's own median step) ÷ wall: immune to host-speed drift."""
+    return r["steps"] * r["median_step_s"] / r["wall_s"]
+
+
+def add_rows(report: Report, clean: dict[str, Any], faulted: dict[str, Any]) -> None:
+    n = faulted["restarts"]
+    rate = ratio(clean["wall_s"], faulted["wall_s"])  # same steps: rate ratio = wall ratio^-1
+    report.add("committed-step rate: faulted ÷ clean", rate, ">= 0.95",
+               f"{faulted['steps']} steps in {faulted['wall_s']:.1f} s vs {clean['wall_s']:.1f} s")
+    report.add("same, load-normalized (per-run median step)",
+               ratio(_normalized_rate(faulted), _normalized_rate(clean)), ">= 0.95",
+               f"median step {faulted['median_step_s']:.3f} s vs {clean['median_step_s']:.3f} s")
+    gp_f, gp_c = faulted["goodput"].get("goodput"), clean["goodput"].get("goodput")
+    report.add("goodput (productive ÷ wall), faulted", gp_f,
+               note=f"clean run: {gp_c:.3f}" if gp_c is not None else "")
+    report.add("goodput ratio: faulted ÷ clean", ratio(gp_f, gp_c), ">= 0.95")
+    report.add("step efficiency: committed ÷ computed",
+               ratio(faulted["steps"], faulted["steps_computed"]),
+               note=f"{faulted['steps_computed']} computed, {faulted['lost_steps']} lost")
+    step_s, stall = faulted["median_step_s"], faulted["stalls_s"]
+    cost = (sum(stall) + faulted["lost_steps"] * step_s) / n if n and stall else None
+    report.add("time lost per fault", cost, unit="s",
+               note=f"stall (last step → resumed step) {stall} s + "
+               f"{faulted['lost_steps'] / max(n, 1):.1f} redone steps x {step_s:.3f} s")
+    if cost:
+        report.add("fault interval that would meet 0.95", cost / 0.05 / step_s, unit="steps",
+                   note=f"at {step_s:.3f} s/step on this host (bench uses {FAULT_EVERY})")
+    same = faulted["final_loss"] is not None and clean["final_loss"] is not None and \
+        abs(faulted["final_loss"] - clean["final_loss"]) <= 1e-5 * abs(clean["final_loss"])
+    report.add("final loss faulted ÷ clean", ratio(faulted["final_loss"], clean["final_loss"]),
+               "== 1 ±1e-5", "identical within 1e-5" if same else "DIFFERS")
+
+
+def main() -> int:
+    args = parse_args(__doc__)
+    steps = 100 if args.quick else 200
+    kills = [(1 if i % 2 == 0 else 0, at) for i, at in enumerate(range(FAULT_EVERY, steps + 1,
+                                                                         FAULT_EVERY))]
+    chaos = "; ".join(f"kill rank={r} at={at}" for r, at in kills)
+    with tempfile.TemporaryDirectory(prefix="tenax-goodput-") as root, local_ray(gpus=2):
+        clean = run(root, steps, None, "goodput-clean")
+        faulted = run(root, steps, chaos, "goodput-faulted")
+    report = Report(f"Goodput with a rank killed every {FAULT_EVERY} steps vs fault-free")
+    add_rows(report, clean, faulted)
+    report.context = {"quick": args.quick, "clean": clean, "faulted": faulted, "model": MODEL}
+    report.finish(args.json_path)
+    return 0 if clean["state"] == faulted["state"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
