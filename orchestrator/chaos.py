@@ -154,16 +154,12 @@ class ChaosInjector:
         if e.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif e.kind == "slow":
-            self.slow_factor = e.factor
+            self.slow_factor = e.factor  # the trainer stretches this rank's compute by it
         elif e.kind == "hang":
             # Stop stepping but keep the process (and its heartbeats) alive: only the hang
             # timeout can tell. The controller kills this process when it recovers.
             while True:
                 time.sleep(1.0)
-
-    def after_step(self, step_s: float) -> None:
-        if self.slow_factor > 1.0:
-            time.sleep((self.slow_factor - 1.0) * step_s)
 
 
 def _kill_raylet() -> None:

@@ -53,7 +53,8 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
              addr: str, port: int, on_step: Callable[[dict[str, Any]], None] | None = None,
              steps: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
              should_stop: Callable[[], bool] | None = None, resume: bool = True,
-             storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+             storage_options: dict[str, Any] | None = None,
+             slow_factor: Callable[[], float] | None = None) -> dict[str, Any]:
     """Train this rank until step `steps` (default train.steps); returns the last record.
 
     Resumes from the newest committed checkpoint (resharded into this layout), saves every
@@ -78,14 +79,15 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
                        COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
     try:
         return _train(spec, layout, rank, world, on_step, on_event or on_step, steps,
-                      should_stop, resume, storage_options)
+                      should_stop, resume, storage_options, slow_factor)
     finally:
         leave_process_group()
 
 
 def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | None,
            emit: Callable | None, steps: int | None, should_stop: Callable[[], bool] | None,
-           resume: bool, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+           resume: bool, storage_options: dict[str, Any] | None,
+           slow_factor: Callable[[], float] | None = None) -> dict[str, Any]:
     from checkpoint.manager import CheckpointManager
     from workers.trainer import Trainer
 
@@ -110,6 +112,8 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
                 mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
                 report(mgr.drain_events())
                 return {"event": "stopped", "step": trainer.step, **base}
+            if slow_factor is not None:  # chaos `slow`: this rank computes F times slower
+                trainer.slow_factor = slow_factor()
             record = _step_record(trainer.run_step(), base)
             if on_step is not None:
                 on_step(record)

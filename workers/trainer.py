@@ -98,6 +98,7 @@ class Trainer:
         self._set_positions()
         self.pipeline = self._build_pipeline() if layout.pp > 1 else None
         self.last_moe_stats: dict[str, Any] = {}
+        self.slow_factor = 1.0  # chaos `slow`: compute takes this many times as long
 
     def _set_positions(self) -> None:
         s, cp = self.spec.model.seq_len, self.layout.cp
@@ -149,6 +150,10 @@ class Trainer:
             loss_sum, busy = self._pipeline_step(inputs, targets)
         else:
             loss_sum, busy = self._forward_backward(inputs, targets)
+        if self.slow_factor > 1.0:  # a slow device: this rank's own work stretches, not its waits
+            extra = (self.slow_factor - 1.0) * (time.perf_counter() - start)
+            time.sleep(extra)
+            busy += extra
         t0 = time.perf_counter()
         for dp in self.pm.dps:
             dp.finish_grads()

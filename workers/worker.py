@@ -78,8 +78,6 @@ def _child_main(run: RankRun, conn: Any, control: Any) -> None:
     injector = ChaosInjector(run.chaos, run.rank, run.gpus_per_node, claim, run.node_killable)
 
     def on_record(record: dict[str, Any]) -> None:
-        if record.get("event") == "step":
-            injector.after_step(record.get("step_s", 0.0))
         conn.send(("record", record))
         if record.get("event") in ("step", "started"):
             injector.before_step(record["step"] + 1)
@@ -89,7 +87,8 @@ def _child_main(run: RankRun, conn: Any, control: Any) -> None:
 
     try:
         record = run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
-                          on_step=on_record, should_stop=should_stop)
+                          on_step=on_record, should_stop=should_stop,
+                          slow_factor=lambda: injector.slow_factor)
         conn.send(("stopped" if record.get("event") == "stopped" else "done", None))
     except BaseException as err:  # every failure reaches the controller with its cause
         conn.send(("error", f"{type(err).__name__}: {err}"))
