@@ -1,6 +1,6 @@
 """Checkpoint save/load benchmark: every writer side by side in one run, on 2 gloo ranks.
 
-    python bench/checkpoint_bench.py [--quick] [--out PATH]
+    python bench/checkpoint_bench.py [--quick] [--out PATH] [--reps N] [--writers a,b,...]
 
 Why side by side: on a CPU-bound host the cost of a save is not its blocked time alone but the
 training time it loses = blocked time + the extra time of the steps that run while the write is
@@ -167,13 +167,13 @@ def _save_once(trainer: Any, saver: Any, writer: str) -> dict[str, Any]:
         writer_mod.WRITER_NICE = nice
 
 
-def _run_writers(trainer: Any, spec: Any, rank: int, world: int, root: str,
-                 reps: int) -> dict[str, Any]:
+def _run_writers(trainer: Any, spec: Any, rank: int, world: int, root: str, reps: int,
+                 writers: tuple[str, ...]) -> dict[str, Any]:
     """Round-robin over the writers, so a noisy neighbour disturbs every writer alike."""
-    savers = {w: _make_saver(trainer, spec, rank, world, w, root) for w in WRITERS}
+    savers = {w: _make_saver(trainer, spec, rank, world, w, root) for w in writers}
     for w, saver in savers.items():  # warm-up: first plan, buffer allocation
         _save_once(trainer, saver, w)
-    runs: dict[str, list] = {w: [] for w in WRITERS}
+    runs: dict[str, list] = {w: [] for w in writers}
     for _ in range(reps):
         for w, saver in savers.items():
             runs[w].append(_save_once(trainer, saver, w))
@@ -206,7 +206,8 @@ def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, flo
     return out
 
 
-def bench_rank(rank: int, world: int, port: int, quick: bool, root: str, queue: Any) -> None:
+def bench_rank(rank: int, world: int, port: int, cfg: dict[str, Any], root: str,
+               queue: Any) -> None:
     import torch
 
     from parallel.layout import ParallelLayout
@@ -216,14 +217,14 @@ def bench_rank(rank: int, world: int, port: int, quick: bool, root: str, queue: 
     try:
         torch.set_num_threads(1)
         join_process_group(rank, world, "127.0.0.1", port, 600.0)
-        spec = _spec(quick, f"file://{root}/ckpt")
+        spec = _spec(cfg["quick"], f"file://{root}/ckpt")
         trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
         for _ in range(2):
             _timed_step(trainer)
         steady = statistics.median(_max_over_ranks(_timed_step(trainer)) for _ in range(4))
-        reps = 3 if quick else 5
-        writers = _run_writers(trainer, spec, rank, world, root, reps)
-        loads = _measure_loads(spec, rank, world, reps)
+        reps = cfg["reps"] or (3 if cfg["quick"] else 5)
+        writers = _run_writers(trainer, spec, rank, world, root, reps, cfg["writers"])
+        loads = _measure_loads(spec, rank, world, min(reps, 5))
         doc = {"steady_step_s": steady, "writers": writers, "loads": loads,
                "state_bytes": spec.model.num_params() * 12, "params": spec.model.num_params()}
         leave_process_group()
@@ -272,13 +273,16 @@ def print_table(doc: dict[str, Any]) -> None:
     Console(width=130).print(loads)
 
 
-def run(quick: bool, timeout_s: float) -> dict[str, Any]:
+def run(quick: bool, timeout_s: float, reps: int = 0,
+        writers: tuple[str, ...] = WRITERS) -> dict[str, Any]:
     from workers.launch import free_port
 
     root = tempfile.mkdtemp(prefix="tenax-ckpt-bench-")
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=bench_rank, args=(r, 2, port, quick, root, queue))
+    cfg = {"quick": quick, "reps": reps, "writers": ("sync",) + tuple(w for w in writers
+                                                                     if w != "sync")}
+    procs = [ctx.Process(target=bench_rank, args=(r, 2, port, cfg, root, queue))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -304,9 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a ~60 MB state instead of ~310 MB")
     parser.add_argument("--out", default="checkpoint_bench.json", help="JSON results path")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--reps", type=int, default=0, help="saves per writer (default 5, 3)")
+    parser.add_argument("--writers", default=",".join(WRITERS),
+                        help=f"comma-separated subset of {','.join(WRITERS)} (sync always runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    doc = run(args.quick, args.timeout_s)
+    writers = tuple(w for w in args.writers.split(",") if w)
+    unknown = sorted(set(writers) - set(WRITERS))
+    if unknown:
+        parser.error(f"--writers: unknown {unknown}; choose from {list(WRITERS)}")
+    doc = run(args.quick, args.timeout_s, args.reps, writers)
     print_table(doc)
     for name, value in doc["ratios"].items():
         print(f"{name:>36}: {value:.3f}")

@@ -1,41 +1,60 @@
 """CheckpointManager: save / load / wait / close for one rank, async by default.
 
-Why this shape (see DESIGN.md "Checkpoint storage"):
+Why this shape (DESIGN.md "Checkpoint storage"; USERS.md: stalls, killed runs, false timings):
 
-- A save is planned on the training thread with DCP (`dcp.save` with `DeferredWriter`: the
-  plan collectives and dedup of replicated tensors, milliseconds, no bytes written), then the
-  bytes are written in the background from a snapshot. Training is blocked for the planning and
-  the snapshot only. At most one save is in flight per rank: a new `save` first WAITS for the
-  previous one (bounded by its deadline, and counted in the new save's blocked_s, so the
-  timings stay true). Waiting rather than skipping keeps every rank's decision identical
-  without an extra collective, and every requested step gets a checkpoint; a warning says when
-  `checkpoint.every_steps` is shorter than a write.
-- Two-phase commit without a process group: every rank writes its shard and then a marker
-  file; rank 0's writer waits for all markers, then `Catalog.commit` writes manifest.json last.
-  A save is committed iff manifest.json exists. Any failure (a rank raising, a writer killed,
-  disk full, storage errors, a deadline) becomes a `checkpoint_failed` event and training goes
-  on; the previous committed version stays valid. `checkpoint` events carry true timings:
-  total_s is measured when the manifest is written.
-- Loading: rank 0 picks `latest_committed()` (damaged versions skipped), broadcasts the
+- save(): DCP plans the save on the training thread (`DeferredWriter` records offsets, writes
+  nothing; the plan is reused while shapes do not change; ZeRO-1/2 moments are saved as each
+  rank's own pieces instead of being all-gathered — see planning.py, pieces.py). The bytes are
+  copied and written in the background. At most one save is in flight per rank: a new save
+  first WAITS for the previous one (bounded, and counted in its blocked_s so timings stay true).
+  Waiting rather than skipping keeps every rank's decision identical without a collective and
+  gives every requested step a checkpoint; a warning says when every_steps is shorter than a
+  write.
+- Two-phase commit without a process group: each rank writes its shard, then a marker file;
+  rank 0's writer waits for all markers, then `Catalog.commit` writes manifest.json last. A
+  save is committed iff manifest.json exists. Any failure (a rank raising, a writer killed, disk
+  full, storage errors, a deadline) becomes a `checkpoint_failed` event and training goes on;
+  the previous committed version stays valid. `checkpoint` events carry true timings: total_s
+  ends when the manifest is written; blocked_s is the longest any rank's training was held.
+- load(): rank 0 picks `latest_committed()` (damaged versions skipped), broadcasts the
   manifest, every rank checks the model hash, and `dcp.load` with `RawReader` reshards into this
   rank's layout; the data cursor and step (hence the LR schedule) come from the manifest.
 
-Async writer, measured by bench/checkpoint_bench.py (2 ranks on 2 CPU cores; see the table
-there and in the issue note). The figure that matters is training time lost per save = blocked
-time + extra time of the steps that run while the write is in flight:
+The async writer was chosen by measurement (bench/checkpoint_bench.py: 310 MB of model+AdamW
+state, dp2 ZeRO-1, 2 ranks on 2 CPU cores shared with other jobs (load 4-8), medians of 5 saves
+per writer, interleaved; lost = blocked + extra time of the steps that ran during the write):
 
-    WRITER_MEASUREMENTS (filled from the benchmark run)
+    writer                            blocked s  ÷ sync  step ÷ steady  lost s/save  ÷ sync
+    sync                                  0.450   1.000          -            0.450   1.00
+    thread, shared copy (default)         0.019   0.041        1.05           0.094   0.21
+    thread, copy on training thread       0.052   0.117        1.00           0.089   0.20
+    thread, shared copy, not niced        0.011   0.024        1.38           0.188   0.42
+    fork, copy-on-write snapshot          0.071   0.158        1.50           0.516   1.15
+    DCP async_save (thread executor)      0.464   1.031        1.38           0.744   1.66
 
-`fork` (the default for local filesystems) forks a nice-19 child that writes from a
-copy-on-write snapshot: staging costs a fork (page-table copy) instead of a memcpy of the state,
-and the low priority keeps the child off the cores the ranks use. `thread` (object stores and
-memory://, whose clients do not survive a fork) stages into reused host buffers and writes from
-a thread with a lowered OS priority. If the chosen writer cannot start, the save falls back to
-thread, then sync, and logs why. memory:// is per-process, so it works with world size 1 only.
+Single saves vary up to 10x on this host; an 11-save A/B of the first two thread rows gave
+lost median/mean 0.019/0.22 s (shared copy) vs 0.38/0.31 s (copy on the training thread),
+sync 0.36/0.37 s. What the numbers say:
+- A write that competes for the cores slows every rank, since synchronous training waits for
+  the slowest: the writer thread runs at nice 19 (Linux nice is per thread), which halves the
+  loss. DCP's thread pickles tensors under the GIL at full priority.
+- fork looked cheap (no memcpy), but every page the next step writes then faults and is copied
+  (1.5x steps): it loses more than sync here. It stays available as writer="fork".
+- The copy (155 MB per rank, 40-100 ms here) is what a blocking stage costs. The default
+  starts it in the low-priority writer thread, which mostly gets idle cycles (ranks waiting in
+  collectives); the state cannot change before the next optimizer.step(), so a hook there
+  makes the training thread finish whatever is left at full speed, then wait for copies in
+  flight (`TrainerState.fence_before_update`). Training is rarely blocked at all; at worst it
+  finishes the copy itself at the fence, as a blocking stage would. A fence wait counts in
+  blocked_s.
+- GPU tensors are staged to reused pinned buffers on the training thread (not measured here).
+If a writer cannot start the save falls back to thread, then sync, and logs why. memory:// is
+per-process, so it works with world size 1 only.
 
 No module-level state and no cached process group: the manager uses whatever default group is
-current, so after a group is destroyed and re-formed with another world size a new manager (or
-a fresh process) works; a manager whose rank/world no longer match the group refuses clearly.
+current, so after a group is destroyed and re-formed with another world size a new manager works
+(a manager whose rank/world no longer match the group refuses clearly). Note: DTensor's dispatch
+caches outlive destroy_process_group (tests/ckpt_jobs.py: forget_dtensor_caches).
 """
 from __future__ import annotations
 
@@ -45,18 +64,19 @@ import threading
 import time
 from typing import Any
 
-from fsspec.implementations.memory import MemoryFileSystem
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.catalog import Catalog, CatalogError, Manifest, spec_hash, version_name
-from checkpoint.planning import PlanCache, plan_save, single_process_quiet
-from checkpoint.shards import FORMAT, RawReader, ShardError, byte_view
-from checkpoint.state import (Stager, StateProvider, StateProviderError, TrainerState,
-                              as_state_provider, describe_error)
+from checkpoint.catalog import Catalog, CatalogError, spec_hash, version_name
+from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
+                               StateProviderError)
+from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
+from checkpoint.planning import PlanCache, dist_on, plan_save
+from checkpoint.shards import FORMAT, byte_view
+from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
+                              describe_error)
 from checkpoint.storage import Storage, StorageError
 from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for, run_inline,
                                start_fork, start_thread)
@@ -64,29 +84,10 @@ from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "ModelMismatchError",
-           "StateProvider", "TrainerState", "WRITERS"]
+           "StateProvider", "StateProviderError", "TrainerState", "WRITERS"]
 
 WRITERS = ("auto", "fork", "thread", "sync")
 _SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseException
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be saved or loaded as asked; the message names URI, step, field."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
-class CheckpointTimeoutError(CheckpointError):
-    """A save did not finish within its deadline."""
-
-
-class ModelMismatchError(CheckpointError):
-    """The checkpoint was written for a different model spec (hash mismatch)."""
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class CheckpointManager:
@@ -105,10 +106,7 @@ class CheckpointManager:
         if not 0 <= rank < world:
             raise CheckpointError(f"rank {rank} is outside world size {world}")
         self.spec, self.rank, self.world = spec, rank, world
-        try:
-            self.state = as_state_provider(state)
-        except StateProviderError as exc:
-            raise CheckpointError(str(exc)) from None
+        self.state = as_state_provider(state)
         self.timeout_s = float(timeout_s or spec.fault_tolerance.hang_timeout_s)
         self.storage = Storage(spec.checkpoint.uri, timeout_s=self.timeout_s,
                                storage_options=storage_options)
@@ -161,7 +159,7 @@ class CheckpointManager:
     def _check_usable(self) -> None:
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.storage.uri} is closed")
-        if _dist_on():
+        if dist_on():
             if dist.get_world_size() != self.world or dist.get_rank() != self.rank:
                 raise CheckpointError(
                     f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, this "
@@ -171,7 +169,7 @@ class CheckpointManager:
 
     def _agree(self, ok: bool) -> bool:
         """True only if every rank says ok (one tiny all-reduce)."""
-        if not _dist_on():
+        if not dist_on():
             return ok
         device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -379,22 +377,16 @@ class CheckpointManager:
         layout the trainer was built for (a reminder that resharding happens here).
         """
         self._check_usable()
-        self._check_layout(layout)
+        check_layout(layout, self.state.describe().get("parallel", {}))
         self._finish_previous(warn=False)
         t0 = time.monotonic()
-        manifest = self._choose_version()
+        manifest = choose_version(self.catalog, self.rank, self.world)
         if manifest is None:
             return None
-        self._check_manifest(manifest)
+        check_manifest(manifest, self.storage.url(version_name(manifest.step)), self.model_hash,
+                       self.state.describe()["seed"])
         state = self.state.state_for_load()
-        version = version_name(manifest.step)
-        try:
-            with single_process_quiet():
-                dcp.load(state, storage_reader=RawReader(self.storage, version),
-                         planner=DefaultLoadPlanner(), no_dist=not _dist_on())
-        except (CheckpointException, ShardError, StorageError) as exc:
-            raise CheckpointError(f"loading {self.storage.url(version)} failed: "
-                                  f"{describe_error(exc)}") from None
+        load_into(self.catalog, manifest, state)
         self.state.apply_loaded(state, step=manifest.lr_step, data_cursor=manifest.data_cursor)
         self._protect.add(manifest.step)
         self._record({"event": "checkpoint_loaded", "step": manifest.step,
@@ -402,43 +394,3 @@ class CheckpointManager:
                       "layout": self.state.describe()["layout"], "world_size": self.world,
                       "from_world_size": manifest.world_size})
         return manifest.step
-
-    def _check_layout(self, layout: Any) -> None:
-        if layout is None:
-            return
-        want = layout.to_dict() if hasattr(layout, "to_dict") else dict(layout)
-        have = self.state.describe().get("parallel", {})
-        diff = {k: (v, have.get(k)) for k, v in want.items() if k in have and have[k] != v}
-        if diff:
-            raise CheckpointError(f"load(layout=...) differs from the trainer's layout in "
-                                  f"{diff} (asked, built); build the trainer for the new layout")
-
-    def _choose_version(self) -> Manifest | None:
-        """Rank 0 picks the newest intact version; every rank gets the same answer or error."""
-        payload: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                payload[0] = self.catalog.latest_committed(verify=True)
-            except (StorageError, CatalogError) as exc:
-                payload[0] = f"cannot list {self.storage.uri}: {type(exc).__name__}: {exc}"
-        if _dist_on() and self.world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        if isinstance(payload[0], str):
-            raise CheckpointError(payload[0])
-        return payload[0]
-
-    def _check_manifest(self, manifest: Manifest) -> None:
-        url = self.storage.url(version_name(manifest.step))
-        if manifest.model_hash != self.model_hash:
-            raise ModelMismatchError(
-                f"checkpoint {url} (step {manifest.step}) was saved for another model: manifest "
-                f"model_hash {manifest.model_hash[:16]}..., this job's model spec hashes to "
-                f"{self.model_hash[:16]}...; refusing to load (check the job's model section "
-                f"or checkpoint.uri)")
-        if manifest.extra.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {url} has format {manifest.extra.get('format')!r}"
-                                  f", this Tenax reads {FORMAT!r}")
-        if manifest.seed != self.state.describe()["seed"]:
-            logger.warning("checkpoint %s was trained with seed %d, this job uses %d: the data "
-                           "order will differ from the original run", url, manifest.seed,
-                           self.state.describe()["seed"])

@@ -15,16 +15,10 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from checkpoint.errors import StateProviderError
 from checkpoint.shards import byte_view
 
 logger = logging.getLogger(__name__)
-
-
-class StateProviderError(Exception):
-    """The object given to the manager cannot provide training state."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 class StateProvider(Protocol):

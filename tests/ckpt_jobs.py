@@ -271,3 +271,23 @@ def snapshot_job(rank: int, world: int, root: str, writers: list[str]) -> dict[s
                                        for k, v in at_save.items()),
                        "changed": max((now[k] - v).abs().max().item() for k, v in at_save.items())}
     return out
+
+
+def rank_failure_job(rank: int, world: int, uri: str) -> dict[str, Any]:
+    """dp2: rank 1's write of step 2 fails as on a full disk; steps 1 and 3 must commit."""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(uri)
+    trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
+    events = []
+    with CheckpointManager(spec, trainer, rank, world, writer="thread", timeout_s=60) as mgr:
+        for step in (1, 2, 3):
+            trainer.run_step()
+            os.environ["TENAX_CKPT_FAULT"] = "fail" if step == 2 else ""
+            os.environ["TENAX_CKPT_FAULT_RANKS"] = "1"
+            mgr.save(step)
+            mgr.wait()
+            events += mgr.drain_events()
+    return {"events": events, "step": trainer.step}

@@ -28,7 +28,8 @@ from checkpoint.manager import CheckpointError, CheckpointManager, ModelMismatch
 from checkpoint.storage import Storage
 from orchestrator.cli import main as tenax
 from tests.ckpt_jobs import (DictState, ckpt_spec, killable_job, load_and_step_job,
-                             roundtrip_job, save_modes_job, snapshot_job, train_losses)
+                             rank_failure_job, roundtrip_job, save_modes_job, snapshot_job,
+                             train_losses)
 from tests.distributed import run_ranks
 from tests.test_storage import s3_options  # noqa: F401  (the moto S3 server fixture)
 
@@ -238,6 +239,17 @@ def test_failed_save_is_reported_and_training_goes_on(tmp_path: Path, monkeypatc
     fresh = DictState(seed=5)
     with manager(uri, fresh) as loader:
         assert loader.load() == 3
+
+
+def test_one_rank_failing_fails_the_save_on_rank_0_and_training_goes_on(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/ckpt"
+    out = run_ranks(rank_failure_job, 2, uri)
+    assert [o["step"] for o in out] == [3, 3]
+    kinds = [(e["event"], e["step"]) for e in out[0]["events"]]
+    assert kinds == [("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 3)]
+    cause = out[0]["events"][1]["cause"]
+    assert "rank 1 failed" in cause and "No space left" in cause
+    assert Catalog(Storage(uri)).committed_steps() == [1, 3]
 
 
 def test_model_hash_mismatch_is_refused_clearly(tmp_path: Path) -> None:

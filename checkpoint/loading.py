@@ -1,0 +1,77 @@
+"""The load path: choose a version once for all ranks, refuse the wrong one, reshard it in.
+
+Why rank 0 chooses: `latest_committed()` re-reads every checksum, and skipping a damaged
+version must lead every rank to the same older one; so rank 0 verifies and broadcasts the
+manifest (or its error), and the others never read more than their own shards.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from checkpoint.catalog import Catalog, CatalogError, Manifest, version_name
+from checkpoint.errors import CheckpointError, ModelMismatchError
+from checkpoint.planning import dist_on, single_process_quiet
+from checkpoint.shards import FORMAT, RawReader, ShardError
+from checkpoint.state import describe_error
+from checkpoint.storage import StorageError
+
+logger = logging.getLogger(__name__)
+
+
+def check_layout(asked: Any, built: dict[str, Any]) -> None:
+    """`load(layout)` is a reminder, not a conversion: it must be the trainer's own layout."""
+    if asked is None:
+        return
+    want = asked.to_dict() if hasattr(asked, "to_dict") else dict(asked)
+    diff = {k: (v, built.get(k)) for k, v in want.items() if k in built and built[k] != v}
+    if diff:
+        raise CheckpointError(f"load(layout=...) differs from the trainer's layout in {diff} "
+                              f"(asked, built); build the trainer for the new layout first")
+
+
+def choose_version(catalog: Catalog, rank: int, world: int) -> Manifest | None:
+    """Newest intact committed manifest, identical on every rank (collective when world > 1)."""
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = catalog.latest_committed(verify=True)
+        except (StorageError, CatalogError) as exc:
+            payload[0] = f"cannot list {catalog.storage.uri}: {type(exc).__name__}: {exc}"
+    if dist_on() and world > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], str):
+        raise CheckpointError(payload[0])
+    return payload[0]
+
+
+def check_manifest(manifest: Manifest, url: str, model_hash: str, seed: int) -> None:
+    if manifest.model_hash != model_hash:
+        raise ModelMismatchError(
+            f"checkpoint {url} (step {manifest.step}) was saved for another model: manifest "
+            f"model_hash {manifest.model_hash[:16]}..., this job's model spec hashes to "
+            f"{model_hash[:16]}...; refusing to load (check the job's model section or "
+            f"checkpoint.uri)")
+    if manifest.extra.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {url} has format {manifest.extra.get('format')!r}, "
+                              f"this Tenax reads {FORMAT!r}")
+    if manifest.seed != seed:
+        logger.warning("checkpoint %s was trained with seed %d, this job uses %d: the data "
+                       "order will differ from the original run", url, manifest.seed, seed)
+
+
+def load_into(catalog: Catalog, manifest: Manifest, state: Any) -> None:
+    """dcp.load the version into `state` (this rank's tensors, any layout): DCP reshards."""
+    version = version_name(manifest.step)
+    try:
+        with single_process_quiet():
+            dcp.load(state, storage_reader=RawReader(catalog.storage, version),
+                     planner=DefaultLoadPlanner(), no_dist=not dist_on())
+    except (CheckpointException, ShardError, StorageError) as exc:
+        raise CheckpointError(f"loading {catalog.storage.url(version)} failed: "
+                              f"{describe_error(exc)}") from None
