@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tests.engine_jobs import TINY
+from workers.launch import forget_dtensor_caches
 
 BASE = TINY + ["train.global_batch_size=12", "train.steps=20"]
 MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0}"]
@@ -76,20 +77,6 @@ def _phase(rank: int, world: int, phase: dict[str, Any], uri: str, extra: list[s
     return {"loaded_step": loaded_step, "trainer_step_after_load": trainer.step - phase["steps"],
             "cursor_after_load": cursor, "losses": losses, "events": events,
             "loaded": loaded if rank == 0 else None, "saved": saved if rank == 0 else None}
-
-
-def forget_dtensor_caches() -> None:
-    """Drop DTensor's process-wide dispatch caches after a group is destroyed.
-
-    They are keyed by DeviceMesh equality, which compares ranks and shape but not the process
-    groups, so a re-formed group with the same rank layout would otherwise get a cached spec
-    whose mesh points at a destroyed group ("Could not resolve the process group ...").
-    """
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # the Python cache and the C++ fast-path cache in front of it
-    _redistribute.clear_redistribute_planner_cache()
 
 
 def chain_job(rank: int, world_max: int, phases: list[dict[str, Any]], uri: str,

@@ -47,6 +47,21 @@ def leave_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()  # without it ranks may abort at exit after DTensor collectives
         dist.destroy_process_group()
+    forget_dtensor_caches()
+
+
+def forget_dtensor_caches() -> None:
+    """Drop DTensor's process-wide dispatch caches after a group is destroyed.
+
+    They are keyed by DeviceMesh equality, which compares ranks and shape but not the process
+    groups, so a group re-formed in the same process with the same rank layout would otherwise
+    get a cached spec whose mesh points at the destroyed group.
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, world: int,
