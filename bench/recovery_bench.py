@@ -4,8 +4,8 @@
 
 Why these ratios. Detection latency only means something relative to the timeout the user set
 (`fault_tolerance.heartbeat_timeout_s`): a killed rank process should be seen long before it
-(the actor reports the child's exit at the next heartbeat poll), a lost node within it (its
-heartbeats stop answering; goal <= 1.2 x the timeout). Recovery only means something relative to
+(the actor reports the child's exit at the next heartbeat poll), a lost node within it (goal
+<= 1.2 x the timeout for every case). Recovery only means something relative to
 what a restart from scratch costs on the same machine, so the time from the fault to the first
 resumed step is divided by the cold start of the SAME job in the SAME run (controller start,
 placement, actor and process start-up, rendezvous, model build, to its first step; goal <= 0.5).
@@ -13,9 +13,13 @@ placement, actor and process start-up, rendezvous, model build, to its first ste
 Cases, one after the other in one invocation:
 - kill rank: local Ray, 1 node x 2 slots, `kill rank=R at=S` chaos (SIGKILL of the rank's
   training process); the fault time comes from the chaos ledger.
-- lost node: cluster_utils, head + 2 GPU nodes x 2 slots; at a step the bench SIGKILLs every
-  process of node 2 (rank actors and their training processes) and removes the node
-  (`Cluster.remove_node`, raylet killed): a power loss. The fault time is the bench's clock.
+- lost node (freeze): cluster_utils, head + 2 GPU nodes x 2 slots; at a step the bench sends
+  SIGSTOP to every process of the node hosting ranks 2-3 (raylet, rank actors, forkservers,
+  training processes): a hung host or a network partition. No socket closes, so only missing
+  heartbeats can tell. The fault time is the bench's clock.
+- lost node (crash): the same, with SIGKILL and `Cluster.remove_node`: a crashed host whose
+  kernel resets its connections, so the surviving ranks' collectives fail at once.
+The cold start of each case is that case's own job, from controller start to its first step.
 """
 from __future__ import annotations
 

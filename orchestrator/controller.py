@@ -26,8 +26,8 @@ from orchestrator.capacity import cluster_capacity, node_answers
 from orchestrator.chaos import ChaosEvent, ChaosLedger
 from orchestrator.goodput import Goodput
 from orchestrator.health import StragglerFlag, StragglerTracker, eviction_plan
-from orchestrator.policies import (Action, Capacity, FailureDecision, FailurePolicy, JobSnapshot,
-                                   ScalingPolicy)
+from orchestrator.policies import (STARTUP_HANG_FACTOR, Action, Capacity, FailureDecision,
+                                   FailurePolicy, JobSnapshot, ScalingPolicy)
 
 CAPACITY_CHECK_S = 2.0  # how often a running job looks for nodes that joined (cheap GCS call)
 from orchestrator.spec import JobSpec
@@ -164,7 +164,9 @@ class Controller:
 
     def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
         """Warm: reuse live actors and fork new training processes. Cold fallback: new group."""
-        timeout = self.spec.fault_tolerance.hang_timeout_s
+        # Placing and starting actors on a loaded host can take longer than a step may hang;
+        # it gets the same allowance as a rank that is still starting.
+        timeout = STARTUP_HANG_FACTOR * self.spec.fault_tolerance.hang_timeout_s
         chaos = [e.to_dict() for e in self.chaos]
         if self.group is None:
             self.group = WorkerGroup(self.job_id, self.spec.resources.gpus_per_node)

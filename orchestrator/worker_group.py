@@ -91,6 +91,8 @@ class WorkerGroup:
         new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
         ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
         if len(ready) < len(new):
+            for block in new:  # not in self.blocks yet: release them here or they leak GPUs
+                self._remove_block(block)
             self.shutdown()
             raise PlacementError(f"placing {layout.world_size} ranks ({needed} nodes x {g} GPUs) "
                                  f"did not finish within {timeout_s:.0f} s; not enough free GPUs?")

@@ -33,8 +33,19 @@ _CANONICAL = {
 }
 
 
-def _input_bytes(args: Any) -> int:
-    """Bytes of the first tensor argument: what this rank contributes to the collective."""
+def _input_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes this rank contributes: the op's input tensor(s).
+
+    c10d ops put the output first (`_allgather_base_(output, input, ...)`), so the input is
+    found by its schema name, falling back to the first tensor argument.
+    """
+    schema = func._schema.arguments
+    named = dict(zip((a.name for a in schema), args))
+    named.update(kwargs)
+    for name, value in named.items():
+        if name.startswith("input"):
+            return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0]
+                       if isinstance(t, torch.Tensor))
     for leaf in tree_flatten(args)[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.numel() * leaf.element_size()
@@ -55,7 +66,7 @@ class CommCounter(TorchDispatchMode):
         if namespace in _NAMESPACES and name not in _IGNORED:
             kind = _CANONICAL.get(name, name)
             self.counts[kind] += 1
-            self.bytes[kind] += _input_bytes(args)
+            self.bytes[kind] += _input_bytes(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> dict[str, dict[str, int]]:
