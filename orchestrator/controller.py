@@ -342,12 +342,15 @@ class Controller:
         if self.group is None or self.failure is None:
             return
         failed, g = set(self.failure.failed_ranks), self.spec.resources.gpus_per_node
+        health = {r.rank: r for r in self.group.health()}
         for k in range(-(-len(self.group.ranks) // g)):
             block = self.group.ranks[k * g:(k + 1) * g]
             if not block:
                 continue
             timeout = self.spec.fault_tolerance.heartbeat_timeout_s
-            if not self._chaos_killed(k):
+            # A block that has been silent for a whole heartbeat timeout needs no second wait.
+            silent = all(health[h.rank].heartbeat_age_s > timeout for h in block)
+            if not self._chaos_killed(k) and not silent:
                 if not all(h.rank in failed for h in block) or node_answers(block[0].node_id, timeout):
                     continue
             node = block[0].node_id
