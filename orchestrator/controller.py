@@ -303,6 +303,7 @@ class Controller:
             kind = record.get("event")
             if kind == "started" and record["rank"] == 0:
                 self.goodput.end()  # startup is over: what follows is training
+                self.step = max(self.step, record["step"])  # a resumed job starts here
                 self._on_started(record)
             elif kind == "step":
                 self.max_step_seen = max(self.max_step_seen, record["step"])
