@@ -29,13 +29,8 @@ if ROOT not in sys.path:
 
 logger = logging.getLogger(__name__)
 
-# A small job every bench can afford on 2 shared cores (same shape as tests/ray_helpers.SMALL).
-SMALL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.vocab_size=64", "model.seq_len=32", "model.ffn_hidden=64",
-         "train.global_batch_size=8", "parallel.micro_batch_size=1", "train.lr=3e-3",
-         "train.warmup_steps=2", "checkpoint.every_steps=5", "checkpoint.keep_last=3",
-         "fault_tolerance.heartbeat_interval_s=0.25", "fault_tolerance.heartbeat_timeout_s=4",
-         "fault_tolerance.hang_timeout_s=20", "resources.device=cpu"]
+# A small job every bench can afford on 2 shared cores: the same job the Ray tests run.
+from tests.ray_helpers import SMALL  # noqa: E402  (needs ROOT on sys.path)
 
 
 def bench_env() -> None:

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, ratio  # noqa: E402
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

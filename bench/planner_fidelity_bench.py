@@ -248,7 +248,7 @@ def spec_of(extra: list[str]) -> Any:
 
 
 def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
-    from parallel.cost_model import cp_comm, dp_comm, ep_comm, pp_comm, tp_comm
+    from parallel.cost_model import cp_comm, dp_comm, pp_comm, tp_comm
 
     s = spec_of([])
     m, gb = s.model, s.train.global_batch_size

@@ -1,7 +1,6 @@
 """Helpers for tests that run real jobs on real Ray (local or cluster_utils) on 127.0.0.1."""
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
@@ -16,9 +15,10 @@ SMALL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
 
 
 def ray_env() -> None:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    """Loopback-only Ray and gloo (conftest already did this before Ray was imported)."""
+    from orchestrator.loopback import loopback_env
+
+    loopback_env()
 
 
 def start_local_ray(gpus: int) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ray_helpers import JobRun, assert_same_losses, make_spec, run_job, start_local_ray
+from tests.ray_helpers import assert_same_losses, make_spec, run_job, start_local_ray
 
 pytestmark = pytest.mark.timeout(600)
 
