@@ -1,0 +1,310 @@
+"""One short script for a lent GPU: engine parity on cuda, a bf16 loss curve, and bf16 MFU.
+
+    PYTHONPATH=. python3 bench/gpu_check.py --out DIR [--device cuda|cpu]
+
+Why this shape: a lent GPU host has torch but no Ray, pydantic or network, and a few minutes of
+time; so every check is a subprocess of this file (a crash or NCCL hang costs one check, not
+the run, and a per-check deadline bounds it), it imports only the engine (`parallel/`,
+`workers.launch`) and `bench/mfu_bench.py`, and it writes everything to DIR/gpu_check.log and
+the figures to DIR/gpu_check.json. `--device cpu` runs the same checks on gloo/CPU with small
+sizes (the dry run CI can afford).
+
+Checks:
+1. parity: the engine on cuda fp32 (world size 1, NCCL; ZeRO 0/1/2/3) against the CPU fp32
+   single-process reference, same seed and data, SGD (so parameters are comparable): losses
+   per step (goal 1e-5 relative) and final parameters (max |diff| / lr ~ a gradient error,
+   goal 1e-4). Then 2 ranks on the one GPU: NCCL refuses two ranks on one device, so this is
+   tried and, when refused, gloo with CUDA tensors is used instead; the log says which.
+2. bf16: 60 AdamW steps under bf16 autocast on a learnable synthetic stream: finite losses,
+   last 5 mean < 0.7 x first 5 mean.
+3. mfu: `bench/mfu_bench.py` on cuda bf16 with a ~1.3B-parameter model, next to the planner.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PARITY_MODEL = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, seq_len=64,
+                    ffn_hidden=352)
+CURVE_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, seq_len=256,
+                   ffn_hidden=1376)
+GLOBAL_BATCH, MICRO, PARITY_STEPS, PARITY_LR = 8, 2, 3, 0.05
+LOSS_RTOL, GRAD_ATOL = 1e-5, 1e-4
+WORKER_TIMEOUT_S = 150
+TOTAL_BUDGET_S = 330
+
+
+# ---- worker side (runs in a subprocess, one process group each) ---------------------------
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from workers.launch import join_process_group
+
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs true fp32 matmuls
+        torch.backends.cudnn.allow_tf32 = False
+    join_process_group(args.rank, args.world, "127.0.0.1", args.port, 120.0, backend=args.backend)
+    try:
+        return _parity(args, device) if args.worker == "parity" else _curve(args, device)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _parity(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from bench.mfu_bench import EngineLoop, model_config, synthetic_batch
+    from parallel.model import canonical_param_name
+
+    cfg = model_config(PARITY_MODEL)
+    rows = GLOBAL_BATCH // args.world
+    loop = EngineLoop(cfg, device, None, MICRO, rows // MICRO, dp=args.world, zero=args.zero,
+                      optimizer_kind="sgd", lr=PARITY_LR)
+    losses = []
+    for step in range(PARITY_STEPS):
+        x, y = synthetic_batch(GLOBAL_BATCH, cfg.seq_len, cfg.vocab_size, 7, step)
+        mine = slice(args.rank * rows, (args.rank + 1) * rows)
+        losses.append(loop.step(x[mine].to(device), y[mine].to(device)))
+    params = {}
+    for name, p in loop.pm.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[canonical_param_name(name)] = full.detach().float().cpu().clone()
+    if args.rank == 0:
+        torch.save(params, args.result + ".pt")
+    return {"losses": losses}
+
+
+def _curve(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    import math
+
+    import torch
+
+    from bench.mfu_bench import EngineLoop, model_config, synthetic_batch
+
+    dims = dict(CURVE_MODEL) if device.type == "cuda" else dict(PARITY_MODEL)
+    cfg = model_config(dims)
+    micro = 8 if device.type == "cuda" else 2
+    loop = EngineLoop(cfg, device, torch.bfloat16, micro, 1, dp=1, zero=1, lr=2e-3)
+    losses = []
+    for step in range(args.steps):
+        # A small fixed set of sequences: a model that trains at all memorises it quickly.
+        x, y = synthetic_batch(micro, cfg.seq_len, cfg.vocab_size, 3, step % 4)
+        losses.append(loop.step(x.to(device), y.to(device)))
+    finite = all(math.isfinite(v) for v in losses)
+    head, tail = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    return {"losses": losses, "finite": finite, "first5": head, "last5": tail,
+            "ok": finite and tail < 0.7 * head, "model": dims}
+
+
+# ---- driver side --------------------------------------------------------------------------
+class Driver:
+    def __init__(self, out_dir: str, device: str) -> None:
+        self.out_dir, self.device = out_dir, device
+        self.tmp = tempfile.mkdtemp(prefix="gpu-check-")
+        self.log_path = os.path.join(out_dir, "gpu_check.log")
+        self.start = time.monotonic()
+        self.figures: dict[str, Any] = {"device": device, "checks": {}}
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.start:7.1f}s] {msg}"
+        print(line, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    def spawn(self, name: str, world: int, extra: list[str], timeout_s: float = WORKER_TIMEOUT_S
+              ) -> list[dict[str, Any]] | str:
+        """Run `world` worker processes; their results by rank, or a one-line failure."""
+        from workers.launch import free_port
+
+        port, procs, paths = free_port(), [], []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(),
+                                                                         os.environ.get("PYTHONPATH")])))
+        for rank in range(world):
+            path = os.path.join(self.tmp, f"{name}-{rank}.json")
+            paths.append(path)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", *extra, "--rank",
+                   str(rank), "--world", str(world), "--port", str(port), "--result", path]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        return self._collect(name, procs, paths, timeout_s)
+
+    def _collect(self, name: str, procs: list[Any], paths: list[str], timeout_s: float
+                 ) -> list[dict[str, Any]] | str:
+        deadline, failure = time.monotonic() + timeout_s, ""
+        for rank, proc in enumerate(procs):
+            try:
+                output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+                failure = failure or f"rank {rank} timed out after {timeout_s:.0f} s"
+            if proc.returncode != 0 and not failure:
+                tail = [ln for ln in output.strip().splitlines() if ln.strip()][-3:]
+                failure = f"rank {rank} exit {proc.returncode}: {' | '.join(tail)}"
+            with open(self.log_path, "a") as f:
+                f.write(f"---- {name} rank {rank} output ----\n{output[-4000:]}\n")
+        if failure:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            return failure
+        results = []
+        for path in paths:
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
+
+
+def compare(ref: dict[str, Any], ref_params: dict[str, Any], got: dict[str, Any],
+            got_params: dict[str, Any]) -> dict[str, Any]:
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+    param_diff = max(float((got_params[k] - ref_params[k]).abs().max()) for k in ref_params)
+    grad_equiv = param_diff / PARITY_LR / PARITY_STEPS
+    return {"loss_max_rel": loss_rel, "param_max_abs": param_diff,
+            "grad_equivalent_max_abs": grad_equiv,
+            "ok": loss_rel <= LOSS_RTOL and grad_equiv <= GRAD_ATOL}
+
+
+def load_params(path: str) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, weights_only=True)  # tensors only: nothing else is unpickled
+
+
+def parity_checks(d: Driver) -> None:
+    ref = d.spawn("ref-cpu", 1, ["parity", "--device", "cpu", "--backend", "gloo", "--zero", "0"])
+    if isinstance(ref, str):
+        d.log(f"parity: CPU reference failed: {ref}")
+        d.figures["checks"]["parity_reference"] = {"ok": False, "error": ref}
+        return
+    ref_params = load_params(os.path.join(d.tmp, "ref-cpu-0.json.pt"))
+    d.log(f"parity: CPU fp32 reference losses {ref[0]['losses']}")
+    backend = "nccl" if d.device == "cuda" else "gloo"
+    for zero in (0, 1, 2, 3):
+        run_parity(d, f"world1-{backend}-zero{zero}", 1, backend, zero, ref[0], ref_params)
+    name = f"world2-{backend}-zero1"
+    if run_parity(d, name, 2, backend, 1, ref[0], ref_params):
+        two_backend, label, zeros = backend, backend, (0, 2, 3)
+    else:
+        d.log("two ranks on one GPU: NCCL refused (it needs one device per rank); "
+              "falling back to gloo with CUDA tensors")
+        d.figures["checks"][f"parity_{name}"].update(ok=True, expected_refusal=True)
+        two_backend, label, zeros = "gloo", "gloo-cuda", (0, 1, 2, 3)
+    for zero in zeros:
+        if time.monotonic() - d.start > TOTAL_BUDGET_S * 0.6:
+            d.log(f"parity world2-{label}-zero{zero}: skipped (time budget)")
+            continue
+        run_parity(d, f"world2-{label}-zero{zero}", 2, two_backend, zero, ref[0], ref_params)
+
+
+def run_parity(d: Driver, name: str, world: int, backend: str, zero: int, ref: dict[str, Any],
+               ref_params: dict[str, Any]) -> bool:
+    res = d.spawn(name, world, ["parity", "--device", d.device, "--backend", backend,
+                                "--zero", str(zero)])
+    if isinstance(res, str):
+        d.log(f"parity {name}: did not run: {res}")
+        d.figures["checks"][f"parity_{name}"] = {"ok": False, "error": res}
+        return False
+    cmp = compare(ref, ref_params, res[0], load_params(os.path.join(d.tmp, f"{name}-0.json.pt")))
+    d.figures["checks"][f"parity_{name}"] = {**cmp, "losses": res[0]["losses"]}
+    d.log(f"parity {name}: {'OK' if cmp['ok'] else 'MISMATCH'} loss rel {cmp['loss_max_rel']:.2e} "
+          f"(goal {LOSS_RTOL:g}), params max |diff| {cmp['param_max_abs']:.2e} "
+          f"(grad-equivalent {cmp['grad_equivalent_max_abs']:.2e}, goal {GRAD_ATOL:g})")
+    return True
+
+
+def curve_check(d: Driver) -> None:
+    backend = "nccl" if d.device == "cuda" else "gloo"
+    steps = "60" if d.device == "cuda" else "40"
+    res = d.spawn("bf16-curve", 1, ["curve", "--device", d.device, "--backend", backend,
+                                    "--steps", steps])
+    if isinstance(res, str):
+        d.log(f"bf16 curve: did not run: {res}")
+        d.figures["checks"]["bf16_curve"] = {"ok": False, "error": res}
+        return
+    r = res[0]
+    d.figures["checks"]["bf16_curve"] = r
+    d.log(f"bf16 curve: {'OK' if r['ok'] else 'FAILED'} finite={r['finite']} first5 "
+          f"{r['first5']:.3f} last5 {r['last5']:.3f}; losses "
+          + " ".join(f"{v:.3f}" for v in r["losses"][::5]))
+
+
+def mfu_check(d: Driver) -> None:
+    path = os.path.join(d.tmp, "mfu.json")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mfu_bench.py"),
+           "--device", d.device, "--steps", "10" if d.device == "cuda" else "3", "--json", path]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        d.log("mfu: timed out after 180 s")
+        d.figures["checks"]["mfu"] = {"ok": False, "error": "timeout"}
+        return
+    with open(d.log_path, "a") as f:
+        f.write(f"---- mfu output ----\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
+    if proc.returncode != 0:
+        d.log(f"mfu: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        d.figures["checks"]["mfu"] = {"ok": False, "error": proc.stderr[-2000:]}
+        return
+    with open(path) as f:
+        r = json.load(f)
+    d.figures["checks"]["mfu"] = {**r, "ok": r["loss_finite"]}
+    d.log(f"mfu: {r['device_name']} {r['dtype']} {r['params'] / 1e9:.2f}B params, median step "
+          f"{r['median_step_s']:.3f} s, {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.3f} of "
+          f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']}), "
+          f"{r['mfu_vs_measured_matmul']:.3f} of measured matmul "
+          f"{r['measured_matmul_flops'] / 1e12:.3g} TFLOP/s; planner: {r['planner']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--worker", default=None, choices=("parity", "curve"))
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--zero", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--result", default="")
+    args = parser.parse_args()
+    if args.worker:
+        result = _worker(args)
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    d = Driver(args.out, args.device)
+    d.log(f"gpu_check on {args.device}; python {sys.version.split()[0]}")
+    for check in (parity_checks, curve_check, mfu_check):
+        try:
+            check(d)
+        except Exception as exc:  # one broken check must not lose the others' figures
+            d.log(f"{check.__name__}: crashed: {type(exc).__name__}: {exc}")
+    checks = d.figures["checks"]
+    d.figures["all_ok"] = all(c.get("ok") for c in checks.values())
+    d.figures["elapsed_s"] = time.monotonic() - d.start
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(d.figures, f, indent=2)
+    d.log(f"done in {d.figures['elapsed_s']:.0f} s; all ok: {d.figures['all_ok']}")
+    return 0 if d.figures["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""GPU models the planner knows: peak dense bf16 FLOP/s, HBM size and bandwidth, links per GPU.
+
+Why a table: a layout's step time, MFU and memory fit depend on the card and on the links
+between cards; `tenax plan layout --gpu h100` should answer for the hardware the user will
+rent, not for an implicit H100. Figures are the vendors' published datasheet values for the SXM
+parts in 8-GPU HGX/DGX servers (dense, i.e. without 2:4 sparsity; NVLink per direction, which
+is half the quoted bidirectional figure; one InfiniBand/RoCE NIC per GPU). Every figure can be
+overridden from the CLI, since real clusters differ (PCIe parts, 200 vs 400 Gb/s NICs).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from parallel.cost_model import Link, Network
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+NVLINK_ALPHA_S = 1e-6
+IB_ALPHA_S = 5e-6
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    peak_bf16_flops: float      # dense
+    hbm_gb: float               # vendor GB (10^9 bytes)
+    hbm_bandwidth_Bps: float
+    nvlink_Bps: float           # per GPU, per direction
+    internode_Bps: float        # per GPU (its NIC), per direction
+
+    @property
+    def hbm_gib(self) -> float:
+        return self.hbm_gb * GB / 2 ** 30
+
+    def network(self) -> Network:
+        return Network(Link(NVLINK_ALPHA_S, self.nvlink_Bps), Link(IB_ALPHA_S, self.internode_Bps))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hbm_gib": round(self.hbm_gib, 2)}
+
+
+GPUS: dict[str, GpuModel] = {
+    # A100 SXM4 80GB: 312 TFLOPS bf16, 2.039 TB/s HBM2e, NVLink 3 600 GB/s bidir, HDR 200 Gb/s.
+    "a100": GpuModel("a100", 312e12, 80, 2.039e12, 300 * GB, 25 * GB),
+    # H100 SXM5: 989 TFLOPS bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidir, NDR 400 Gb/s.
+    "h100": GpuModel("h100", 989e12, 80, 3.35e12, 450 * GB, 50 * GB),
+    # H200 SXM: the H100 die with 141 GB HBM3e at 4.8 TB/s.
+    "h200": GpuModel("h200", 989e12, 141, 4.8e12, 450 * GB, 50 * GB),
+    # B200 (HGX): 2.25 PFLOPS dense bf16, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidir,
+    # ConnectX-7 400 Gb/s.
+    "b200": GpuModel("b200", 2.25e15, 180, 8e12, 900 * GB, 50 * GB),
+}
+
+
+def gpu_model(name: str, **overrides: float | None) -> GpuModel:
+    """The table's entry for `name` with any non-None field of `overrides` replacing it."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"gpu: {name!r} is not one of {sorted(GPUS)}")
+    changed = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(changed) - set(GpuModel.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"gpu overrides: unknown field(s) {unknown}")
+    bad = {k: v for k, v in changed.items() if not v > 0}
+    if bad:
+        raise ValueError(f"gpu overrides: every value must be > 0, got {bad}")
+    gpu = replace(GPUS[key], **changed)
+    if changed:
+        logger.info("gpu %s with overrides %s", key, changed)
+    return gpu
+
+
+def gpu_from_device_name(device_name: str) -> GpuModel | None:
+    """Recognise a CUDA device name ("NVIDIA H200", "NVIDIA A100-SXM4-80GB"); None if unknown."""
+    lowered = device_name.lower()
+    for key, gpu in GPUS.items():
+        if key in lowered:
+            return gpu
+    return None
