@@ -8,6 +8,7 @@ node either runs within the heartbeat timeout or the node is treated as lost.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import ray
 
@@ -33,12 +34,39 @@ def cluster_capacity(gpus_per_node: int, lost_slots: dict[str, int]) -> Capacity
     return Capacity(nodes, f"({', '.join(parts)})")
 
 
-def node_answers(node_id: str, timeout_s: float) -> bool:
-    """True when a task pinned to the node runs within `timeout_s`."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+class NodeProbes:
+    """Probes of suspect nodes, all in flight at once and collected without blocking the loop
+    for longer than one wait; the policy decides what an unanswered probe means."""
 
-    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    try:
-        return bool(ray.get(_probe.options(scheduling_strategy=strategy).remote(), timeout=timeout_s))
-    except (ray.exceptions.RayError, TimeoutError):
-        return False
+    def __init__(self) -> None:
+        self.refs: dict[str, Any] = {}
+        self.answered: set[str] = set()
+        self.refused: set[str] = set()  # the probe failed outright: the node is unreachable
+        self.started = False
+
+    def start(self, node_ids: tuple[str, ...]) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.started = True
+        for node in node_ids:
+            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
+        if node_ids:
+            logger.info("probing %d node(s) at once: %s", len(node_ids),
+                        ", ".join(n[:8] for n in node_ids))
+
+    def collect(self, wait_s: float) -> None:
+        pending = {ref: node for node, ref in self.refs.items()
+                   if node not in self.answered | self.refused}
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        for ref in ready:
+            try:
+                ok = bool(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayError, TimeoutError):
+                ok = False
+            (self.answered if ok else self.refused).add(pending[ref])
+
+    def reset(self) -> None:
+        self.refs, self.answered, self.refused, self.started = {}, set(), set(), False

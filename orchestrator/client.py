@@ -25,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from workers.events import human, layout_text
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -214,13 +216,6 @@ def _console() -> Any:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def layout_text(layout: dict[str, Any] | None) -> str:
-    if not layout:
-        return "-"
-    dims = [f"{k}{layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if layout.get(k, 1) != 1]
-    return " ".join(dims + [f"zero{layout.get('zero', 0)}"])
-
-
 def _loss(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
 
@@ -256,32 +251,9 @@ def _print_job(job: dict[str, Any]) -> None:
 
 
 def human_line(e: dict[str, Any]) -> str:
-    """One line per event for `tenax watch`."""
-    kind, when = e.get("event"), datetime.fromtimestamp(e.get("time", 0)).strftime("%H:%M:%S")
-    if kind == "step":
-        text = (f"step {e.get('step')}  loss {_loss(e.get('loss'))}  "
-                f"{e.get('tokens_per_s') or 0:.0f} tok/s  {layout_text(e.get('layout'))}")
-    elif kind == "state":
-        text = f"state {e.get('state')}: {e.get('reason', '')}"
-    elif kind == "failure":
-        text = f"failure at step {e.get('step')} (rank {e.get('rank')}): {e.get('cause')}"
-    elif kind == "recovered":
-        text = (f"recovered from step {e.get('step')} on {layout_text(e.get('layout'))} in "
-                f"{e.get('seconds', 0):.1f} s ({e.get('lost_steps', 0)} step(s) lost)")
-    elif kind == "scaled":
-        text = (f"scaled {e.get('from_world')} -> {e.get('world_size')} ranks at step "
-                f"{e.get('step')}: {layout_text(e.get('layout'))} in {e.get('seconds', 0):.1f} s")
-    elif kind == "placed":
-        text = f"placed {e.get('world_size')} ranks: {layout_text(e.get('layout'))}"
-    elif kind == "checkpoint":
-        text = (f"checkpoint step {e.get('step')} committed (blocked {e.get('blocked_s', 0):.3f} s,"
-                f" total {e.get('total_s', 0):.2f} s)")
-    elif kind == "done":
-        text = f"done at step {e.get('step')}, loss {_loss(e.get('loss'))}"
-    else:
-        rest = {k: v for k, v in e.items() if k not in ("event", "job", "time", "seq")}
-        text = f"{kind} {json.dumps(rest, default=str)}"
-    return f"{when} {text}"
+    """One line per event for `tenax watch`: the time it happened, then its sentence."""
+    when = datetime.fromtimestamp(e.get("time", 0)).strftime("%H:%M:%S")
+    return f"{when} {human(e)}"
 
 
 # ---- serve -----------------------------------------------------------------------------------

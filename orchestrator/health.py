@@ -19,16 +19,26 @@ the *high* median for an even count. With two ranks the ordinary median is the m
 so a straggler would drag its own reference down (1.5× slower would score 0.8, not 0.67); the
 high median keeps the reference at the healthy rank.
 
-Decision. `StragglerPolicy` (pure) flags a rank whose score is below `straggler_threshold` in
-each of the last 3 windows. Its action comes from `fault_tolerance.straggler_action`: `ignore`
-(score metric only), `alert` (a `straggler` event and a warning; the default) or `evict` (the
-controller restarts the job without that rank's node and re-plans the layout). Note the
-arithmetic: a rank k× slower scores 1/k, so the threshold t detects slowdowns above 1/t
-(0.8 -> more than 1.25×, 0.85 -> more than 1.18×).
+Decision. `StragglerPolicy` (pure) tests the recent windows, not each window on its own: a rank
+is a straggler when the mean of its last `WINDOWS` (3) scores is below `straggler_threshold`
+*and* significantly below the healthy level, i.e. below 1 - z·σ/√k, where σ is the window
+noise measured on the other ranks (the pooled spread of their recent scores around their own
+means, at least `NOISE_FLOOR`). One noisy window can no longer break a detection ("below the
+threshold in 3 consecutive windows" did, on every noisy window), and one noisy window cannot
+raise one either. False-alarm rate it is tuned for: z = 3.09, so a healthy rank whose window
+scores are Gaussian around 1 with the measured σ crosses the noise bound with probability
+1e-3 per window; the threshold then adds the user's margin (with σ = 0.03 a healthy mean of 3
+windows sits 5.8 σ above 0.9). A rank k× slower scores 1/k, so the threshold t detects
+slowdowns above 1/t (0.9 -> more than 1.11×); bench/straggler_bench.py measured the default on
+4 ranks sharing 2 cores (README's Performance table). Its action comes from
+`fault_tolerance.straggler_action`: `ignore` (score metric only), `alert` (a `straggler` event
+and a warning; the default) or `evict` (the controller restarts the job without that rank's
+node and re-plans the layout; `policies.EvictionPolicy` decides whether it may).
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,7 +47,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 STRAGGLER_ACTIONS = ("ignore", "alert", "evict")
-CONSECUTIVE_WINDOWS = 3
+WINDOWS = 3  # the mean of this many recent windows is tested
+NOISE_WINDOWS = 10  # windows the noise estimate looks back over
+NOISE_Z = 3.09  # one-sided 1e-3 false-alarm bound per rank and window under Gaussian noise
+NOISE_FLOOR = 0.02  # scores are never trusted to be more exact than this
 WINDOW_HEARTBEATS = 2
 MIN_WINDOW_STEPS = 5
 
@@ -69,28 +82,52 @@ class StragglerDecision:
 class StragglerPolicy:
     """Pure: from the recent windows' scores, which ranks are stragglers and what to do."""
 
-    def __init__(self, threshold: float = 0.8, action: str = "alert",
-                 consecutive: int = CONSECUTIVE_WINDOWS) -> None:
+    def __init__(self, threshold: float = 0.8, action: str = "alert", windows: int = WINDOWS,
+                 z: float = NOISE_Z) -> None:
         if action not in STRAGGLER_ACTIONS:
-            raise ValueError(f"straggler action {action!r} must be one of {STRAGGLER_ACTIONS}")
-        if not 0 < threshold < 1 or consecutive < 1:
-            raise ValueError(f"straggler threshold {threshold} must be in (0, 1), "
-                             f"consecutive windows {consecutive} >= 1")
-        self.threshold, self.action, self.consecutive = threshold, action, consecutive
+            raise ValueError(f"straggler_action: {action!r} must be one of {STRAGGLER_ACTIONS}")
+        if not 0 < threshold < 1 or windows < 1:
+            raise ValueError(f"straggler_threshold: {threshold} must be in (0, 1), "
+                             f"windows {windows} >= 1")
+        self.threshold, self.action, self.windows, self.z = threshold, action, windows, z
+
+    def noise(self, history: Sequence[Mapping[int, float]], rank: int) -> float:
+        """σ of one window's score, pooled over the other ranks' recent windows."""
+        deviations = []
+        for other in {r for w in history for r in w} - {rank}:
+            series = [w[other] for w in history if other in w]
+            if len(series) >= 2:
+                mean = sum(series) / len(series)
+                deviations += [(x - mean) ** 2 for x in series]
+        sigma = math.sqrt(sum(deviations) / len(deviations)) if deviations else 0.0
+        return max(sigma, NOISE_FLOOR)
+
+    def slow_ranks(self, history: Sequence[Mapping[int, float]]) -> dict[int, float]:
+        """{rank: mean of its last k scores} for the ranks the test flags."""
+        recent = list(history)[-self.windows:]
+        if len(recent) < self.windows:
+            return {}
+        out = {}
+        for rank in recent[-1]:
+            if not all(rank in w for w in recent):
+                continue
+            mean = sum(w[rank] for w in recent) / len(recent)
+            bound = 1.0 - self.z * self.noise(list(history)[-NOISE_WINDOWS:], rank) / math.sqrt(len(recent))
+            if mean < min(self.threshold, bound):
+                out[rank] = mean
+        return out
 
     def make_decision(self, history: Sequence[Mapping[int, float]]) -> StragglerDecision:
-        """`history`: per-window {rank: score}, oldest first; only the last windows matter."""
-        recent = list(history)[-self.consecutive:]
-        if len(recent) < self.consecutive:
-            return StragglerDecision("none", reason=f"{len(recent)} of {self.consecutive} windows")
-        slow = sorted(rank for rank in recent[-1]
-                      if all(rank in w and w[rank] < self.threshold for w in recent))
+        """`history`: per-window {rank: score}, oldest first; only the recent windows matter."""
+        if len(history) < self.windows:
+            return StragglerDecision("none", reason=f"{len(history)} of {self.windows} windows")
+        slow = self.slow_ranks(history)
         if not slow:
-            return StragglerDecision("none", reason="every rank within the threshold")
-        found = tuple((rank, round(recent[-1][rank], 4)) for rank in slow)
-        listed = ", ".join(f"rank {r} ({s:.2f})" for r, s in found)
+            return StragglerDecision("none", reason="every rank within the threshold and noise")
+        found = tuple((rank, round(history[-1][rank], 4)) for rank in sorted(slow))
+        listed = ", ".join(f"rank {r} (mean {slow[r]:.2f})" for r, _ in found)
         return StragglerDecision(self.action, found, f"{listed} below {self.threshold} × median "
-                                 f"for {self.consecutive} consecutive windows")
+                                 f"over the last {self.windows} windows, beyond the noise")
 
 
 @dataclass(frozen=True)
@@ -99,19 +136,6 @@ class StragglerFlag:
     rank: int
     score: float
     action: str  # alert | evict
-
-
-def eviction_plan(flag: StragglerFlag, node_ids: Sequence[str],
-                  gpus_per_node: int) -> tuple[str, tuple[int, ...], str]:
-    """What `evict` removes: the straggler's node-sized block of ranks (placement packs ranks
-    [k*g, (k+1)*g) on one node). Returns (node id, the block's ranks with the straggler first,
-    reason)."""
-    block = flag.rank // gpus_per_node
-    peers = range(block * gpus_per_node, min((block + 1) * gpus_per_node, len(node_ids)))
-    ranks = (flag.rank,) + tuple(r for r in peers if r != flag.rank)
-    node = node_ids[flag.rank]
-    return node, ranks, (f"rank {flag.rank} is a straggler (score {flag.score:.2f}): "
-                         f"evicting its node {node[:8]}")
 
 
 @dataclass
@@ -137,7 +161,7 @@ class StragglerTracker:
         self.scores: dict[int, float] = {}  # latest window's score per rank (the metric)
         self.flagged: set[int] = set()
         self.windows_closed = 0
-        self.history: deque[dict[int, float]] = deque(maxlen=self.policy.consecutive)
+        self.history: deque[dict[int, float]] = deque(maxlen=NOISE_WINDOWS)
         self._window: _Window | None = None
         self._seen: set[int] = set()  # ranks whose warm-up step was skipped
 
@@ -165,6 +189,10 @@ class StragglerTracker:
         self._window = _Window(opened_at=now)
         return self._close(window)
 
+    def _mean(self, rank: int) -> float:
+        recent = [w[rank] for w in list(self.history)[-self.policy.windows:] if rank in w]
+        return sum(recent) / len(recent) if recent else 1.0
+
     def _add(self, window: _Window, record: Mapping[str, Any]) -> None:
         if record.get("event") != "step" or "rank" not in record:
             return
@@ -185,8 +213,10 @@ class StragglerTracker:
         self.history.append(dict(self.scores))
         decision = self.policy.make_decision(self.history)
         current = {rank for rank, _ in decision.stragglers}
-        recovered = self.flagged - {r for r, s in self.scores.items()
-                                    if s < self.policy.threshold}
+        # An episode ends when the rank's recent mean is back above the threshold, so one
+        # fast window does not end it (and a second flag does not follow the next slow one).
+        recovered = {r for r in self.flagged
+                     if r not in self.scores or self._mean(r) >= self.policy.threshold}
         if recovered:
             logger.info("ranks %s are no longer stragglers", sorted(recovered))
         self.flagged -= recovered

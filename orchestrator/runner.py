@@ -14,8 +14,11 @@ import os
 import tempfile
 from typing import Any, Iterator, TextIO
 
+from rich.markup import escape
+
 from orchestrator.chaos import parse_chaos, validate_for_job
 from orchestrator.spec import JobSpec
+from workers.events import human, layout_text
 
 logger = logging.getLogger(__name__)
 
@@ -60,37 +63,33 @@ class EventSink:
             callback(event)
         kind = event.get("event")
         if kind == "step" and self.progress is not None:
-            layout = " ".join(f"{k}{v}" for k, v in event["layout"].items() if v > 1 or k == "zero")
             self.progress.update(self.task, completed=event["step"],
                                  description=f"loss {event['loss']:.4f} | "
-                                 f"{event['tokens_per_s']:.0f} tok/s | {layout}")
-        elif kind in ("failure", "recovered", "checkpoint_failed", "done", "chaos", "scaled",
-                      "straggler") or \
-                (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
-            self.console.print(_human(event))
+                                 f"{event['tokens_per_s']:.0f} tok/s | {layout_text(event['layout'])}")
+        elif kind == "done" and self.progress is not None:
+            # a job resumed at its last step never steps: the bar must still say where it is
+            self.progress.update(self.task, completed=event["step"],
+                                 description="already complete" if event.get("already_complete")
+                                 else "done")
+        if kind in LOUD or (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
+            self.console.print(_styled(event))
         elif kind == "checkpoint":
-            self.console.print(f"[dim]checkpoint step {event['step']}: blocked "
-                               f"{event.get('blocked_s', 0):.3f} s, total {event.get('total_s', 0):.2f} s[/dim]")
+            self.console.print(f"[dim]{escape(human(event))}[/dim]")
 
     def close(self) -> None:
         if self.file:
             self.file.close()
 
 
-def _human(event: dict[str, Any]) -> str:
-    from rich.markup import escape
+LOUD = {"failure": "red", "recovered": "green", "checkpoint_failed": "yellow", "done": "bold",
+        "chaos": "magenta", "scaled": "cyan", "straggler": "yellow"}
 
-    event = {k: escape(v) if isinstance(v, str) else v for k, v in event.items()}
-    kind = event["event"]
-    if kind == "failure":
-        return f"[red]failure[/red] at step {event['step']}: {event['cause']}"
-    if kind == "recovered":
-        layout = " ".join(f"{k}{v}" for k, v in event["layout"].items())
-        return (f"[green]recovered[/green] from step {event['step']} in {event['seconds']:.1f} s "
-                f"on {layout} ({event['lost_steps']} step(s) lost)")
-    if kind == "state":
-        return f"job {event['state']}: {event['reason']}"
-    return json.dumps({k: v for k, v in event.items() if k != "job"})
+
+def _styled(event: dict[str, Any]) -> str:
+    """The event's sentence, coloured by kind for the console."""
+    text = escape(human(event))
+    style = LOUD.get(event.get("event", ""))
+    return f"[{style}]{text}[/{style}]" if style else text
 
 
 def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
@@ -121,6 +120,6 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
             sink.close()
             if metrics is not None:
                 metrics.close()
-    console.print(f"job {controller.job_id}: {state.value} at step {controller.step}"
-                  + (f" ({controller.cause})" if controller.cause else ""))
+    console.print(f"Job {controller.job_id} ended {state.value} at step {controller.step}"
+                  + (f": {escape(controller.cause)}" if controller.cause else "") + ".")
     return 0 if state == JobState.SUCCEEDED and controller.step >= spec.train.steps else 1

@@ -198,6 +198,8 @@ class JobStore:
                      status: dict[str, Any] | None = None) -> EventRecord:
         """Append one event (and, for `state` events, move the job's state) atomically."""
         kind, now = str(event.get("event", "")), time.time()
+        when = event.get("time")  # where it happened (a rank's step): keep it, never restamp
+        now = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else now
         step = event.get("step")
         step = int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else 0
         text = json.dumps(event, default=str)

@@ -76,3 +76,79 @@ def test_scale_event_commits_then_replans_without_losing_steps(tmp_path, clean):
     assert scaled["from_world"] == 2 and scaled["world_size"] == 4
     assert scaled["lost_steps"] == 0
     assert_same_losses(job.losses(), clean.losses())
+
+
+def test_a_finished_job_run_again_is_already_complete(tmp_path, clean):
+    """Same checkpoint URI as the clean run: nothing to train, and the job says so."""
+    from tests.ray_helpers import JobRun
+
+    again = JobRun(clean.controller.spec).start().finish()
+    assert again.controller.state.value == "SUCCEEDED"
+    done = again.of("done")[0]
+    assert done["step"] == 20 and done["already_complete"] is True
+    assert again.of("step") == []
+
+
+def test_events_carry_the_time_they_happened(clean):
+    steps = clean.of("step")
+    assert all(isinstance(e["time"], float) for e in clean.events)
+    times = [e["time"] for e in steps]
+    assert times == sorted(times)  # rank 0's clock, step after step
+    # relayed, not restamped: the controller publishes after a poll, the rank stamped earlier
+    state_times = [e["time"] for e in clean.events if e["event"] == "state"]
+    assert state_times[-1] >= times[-1]
+
+
+def test_scale_and_cancel_from_eight_threads_at_once(tmp_path):
+    """gRPC handler threads call scale() and cancel() concurrently; the loop drains them."""
+    import threading
+
+    from tests.ray_helpers import JobRun
+
+    spec = make_spec(tmp_path, ["train.steps=400", "resources.nodes=1", "resources.gpus_per_node=1",
+                                "resources.max_nodes=2", "checkpoint.every_steps=100"])
+    job = JobRun(spec).start()
+    job.wait_for(lambda: job.controller.step >= 3, 240, "step 3")
+    barrier, errors = threading.Barrier(8), []
+
+    def client(i: int) -> None:
+        try:
+            barrier.wait()
+            for k in range(50):
+                job.controller.scale(1 + (i + k) % 2)
+            if i % 2:
+                job.controller.cancel()
+        except Exception as err:  # every request must be accepted
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    job.finish()
+    assert errors == []
+    assert job.controller.state.value == "CANCELLED"
+    assert job.controller.group is None  # workers stopped
+    assert job.controller.target_nodes in (1, 2)
+    assert job.of("state")[-1]["state"] == "CANCELLED"
+
+
+def test_scale_arriving_as_the_job_finishes_its_last_step_succeeds(tmp_path, clean):
+    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2",
+                                "resources.max_nodes=2"])
+    job = run_job(spec, chaos="scale nodes=2 at=20")
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    assert job.controller.step == 20
+    assert_same_losses(job.losses(), clean.losses())
+
+
+def test_scale_arriving_while_a_rank_fails_recovers_and_rescales(tmp_path, clean):
+    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2",
+                                "resources.max_nodes=2"])
+    job = run_job(spec, chaos="scale nodes=2 at=12; kill rank=1 at=12")
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    assert job.of("failure") and job.of("failure")[0]["rank"] == 1
+    assert job.of("placed")[-1]["world_size"] == 4  # recovered onto the requested 2 nodes
+    assert job.controller.restarts == 1
+    assert_same_losses(job.losses(), clean.losses())

@@ -1,23 +1,34 @@
-"""Pure decisions and chaos parsing: no Ray needed."""
+"""Pure decisions and chaos parsing: no Ray needed. Every policy decision is a table row here,
+including the ones that used to live in the controller (eviction, node loss, restart-or-fail,
+the RESCALING wait), and the transition table is checked for deadlines and ways out."""
 from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from orchestrator.chaos import ChaosError, ChaosEvent, parse_chaos, validate_for_job
-from orchestrator.policies import Action, Capacity, FailurePolicy, JobSnapshot, ScalingPolicy
+from orchestrator.health import StragglerFlag
+from orchestrator.policies import (Action, Capacity, EvictionPolicy, FailurePolicy, JobSnapshot,
+                                   Limits, NodeLossPolicy, ScalingPolicy, decide)
 from orchestrator.spec import load_spec
+from orchestrator.states import DEADLINES, TRANSITIONS, JobState, next_state, state_diagram
 from orchestrator.worker_group import RankHealth
+
+LIMITS = Limits(max_restarts=3, heartbeat_timeout_s=5.0, hang_timeout_s=30.0, gpus_per_node=2,
+                min_nodes=1, max_nodes=4)
 
 
 def rank(r: int, **kw) -> RankHealth:
-    base = dict(rank=r, node_id="n0", dead=None, heartbeat_age_s=0.1, state="training", step=5,
-                step_age_s=0.2, error=None)
+    base = dict(rank=r, node_id=f"n{r // 2}", dead=None, heartbeat_age_s=0.1, state="training",
+                step=5, step_age_s=0.2, error=None)
     return RankHealth(**{**base, **kw})
 
 
-def snap(*ranks: RankHealth, restarts: int = 0, max_restarts: int = 3) -> JobSnapshot:
-    return JobSnapshot(tuple(ranks), restarts, max_restarts, heartbeat_timeout_s=5.0,
-                       hang_timeout_s=30.0, gpus_per_node=2)
+def snap(*ranks: RankHealth, restarts: int = 0, max_restarts: int = 3, **kw) -> JobSnapshot:
+    return JobSnapshot(tuple(ranks), restarts, replace(LIMITS, max_restarts=max_restarts), **kw)
 
 
 def test_healthy_continues_and_all_done_succeeds():
@@ -53,6 +64,164 @@ def test_max_restarts_exhausted_fails_with_cause():
     d = FailurePolicy().make_decision(snap(rank(0, dead="gone"), restarts=3, max_restarts=3))
     assert d.action == Action.FAIL
     assert "rank 0 died (gone)" in d.reason and "max_restarts=3 exhausted" in d.reason
+
+
+def test_max_restarts_is_read_only_by_the_policies():
+    root = Path(__file__).resolve().parents[1] / "orchestrator"
+    readers = sorted(p.name for p in root.glob("*.py")
+                     if "max_restarts" in p.read_text() and p.name not in ("spec.py", "presets.py"))
+    assert readers == ["policies.py"], readers
+
+
+# ---- decide(): one row per (state, facts) ------------------------------------------------------
+RUNNING_ROWS = [
+    ("healthy", [rank(0), rank(1)], {}, Action.CONTINUE),
+    ("all done", [rank(0, state="done"), rank(1, state="done")], {}, Action.SUCCEED),
+    ("one done, one training", [rank(0, state="done"), rank(1)], {}, Action.CONTINUE),
+    ("killed rank", [rank(0), rank(1, dead="ActorDiedError")], {}, Action.RESTART),
+    ("failed rank, restarts spent", [rank(0), rank(1, state="failed", error="x")],
+     {"restarts": 3}, Action.FAIL),
+    ("stopped without a request", [rank(0, state="stopped"), rank(1)], {}, Action.RESTART),
+    ("target moved up, capacity there", [rank(0), rank(1)],
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 2}, Action.RESCALE),
+    ("target moved, capacity not checked", [rank(0), rank(1)],
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 0}, Action.CONTINUE),
+    ("target up, no node to grow on", [rank(0), rank(1)],
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 1}, Action.CONTINUE),
+    ("scale down", [rank(0), rank(1), rank(2), rank(3)],
+     {"target_nodes": 1, "current_nodes": 2, "capacity_nodes": 2}, Action.RESCALE),
+    ("cancel wins over a failure", [rank(0, dead="x")], {"cancel_requested": True}, Action.CANCEL),
+]
+
+
+@pytest.mark.parametrize("name, ranks, kw, action", RUNNING_ROWS, ids=[r[0] for r in RUNNING_ROWS])
+def test_running_decisions(name, ranks, kw, action):
+    restarts = kw.pop("restarts", 0)
+    assert decide(snap(*ranks, restarts=restarts, state="RUNNING", **kw)).action == action
+
+
+def test_pending_submits_and_every_state_can_be_cancelled():
+    assert decide(snap(state="PENDING", target_nodes=2)).reason == "submitted: target 2 node(s) x 2 GPUs"
+    for state in TRANSITIONS:
+        assert decide(snap(rank(0), state=state.value, cancel_requested=True)).action == Action.CANCEL
+
+
+RESCALING_ROWS = [
+    ("all stopped", ["stopped", "stopped"], {}, Action.REPLAN),
+    ("stopped and done", ["stopped", "done"], {}, Action.REPLAN),
+    ("all finished the last step", ["done", "done"], {}, Action.SUCCEED),
+    ("one still training", ["stopped", "training"], {}, Action.CONTINUE),
+    ("one failed while stopping", ["stopped", "failed"], {}, Action.RESTART),
+    ("one gone", ["stopped", "gone"], {}, Action.RESTART),
+    ("one never stopped, deadline passed", ["stopped", "training"], {"state_age_s": 61.0},
+     Action.RESTART),
+    ("deadline passed, restarts spent", ["training", "training"],
+     {"state_age_s": 61.0, "restarts": 3}, Action.FAIL),
+]
+
+
+def _ranks(states: list[str]) -> list[RankHealth]:
+    out = []
+    for r, s in enumerate(states):
+        if s == "gone":
+            out.append(rank(r, dead="ActorDiedError", state="training"))
+        else:
+            out.append(rank(r, state=s, error="boom" if s == "failed" else None))
+    return out
+
+
+@pytest.mark.parametrize("name, states, kw, action", RESCALING_ROWS, ids=[r[0] for r in RESCALING_ROWS])
+def test_rescaling_decisions(name, states, kw, action):
+    """The soak's hang: a rank that finished or failed while a stop was requested must end
+    the wait; and a wait that does not end is cut by the state's deadline."""
+    restarts = kw.pop("restarts", 0)
+    d = decide(snap(*_ranks(states), restarts=restarts, state="RESCALING", state_deadline_s=60.0, **kw))
+    assert d.action == action, d.reason
+    if "deadline" in name:
+        assert d.cause_kind == "rescale" and "did not commit the boundary checkpoint" in d.reason
+
+
+@pytest.mark.parametrize("state", ["RUNNING", "RESCALING"])
+@pytest.mark.parametrize("end", ["stopped", "done", "failed", "gone"])
+def test_every_rank_end_state_ends_every_wait(state, end):
+    """Whatever way every rank ended, no state keeps waiting (CONTINUE) for it."""
+    d = decide(snap(*_ranks([end, end]), state=state, state_deadline_s=60.0))
+    assert d.action != Action.CONTINUE, d.reason
+
+
+def test_eviction_takes_the_straggler_node_block_unless_it_would_stop_the_job():
+    ranks = [rank(0), rank(1), rank(2), rank(3)]
+    flag = (StragglerFlag(3, 0.61, "evict"),)
+    d = decide(snap(*ranks, state="RUNNING", stragglers=flag, capacity_nodes=2))
+    assert (d.action, d.cause_kind, d.failed_ranks) == (Action.RESTART, "straggler", (3, 2))
+    assert d.lost_nodes == (("n1", 2),) and "rank 3" in d.reason and "0.61" in d.reason
+    assert EvictionPolicy().make_decision(snap(*ranks, stragglers=flag, capacity_nodes=1)) is None
+    assert EvictionPolicy().make_decision(snap(*ranks, stragglers=flag, capacity_nodes=2,
+                                               restarts=3)) is None
+    alert = (StragglerFlag(3, 0.61, "alert"),)
+    assert decide(snap(*ranks, state="RUNNING", stragglers=alert, capacity_nodes=2,
+                       current_nodes=2, target_nodes=2)).action == Action.CONTINUE
+
+
+def _recovering(ranks, failed, **kw) -> JobSnapshot:
+    return snap(*ranks, state="RECOVERING", state_deadline_s=5.0, failed_ranks=failed,
+                failure_reason="rank 2 died", **kw)
+
+
+def test_node_loss_probes_every_suspect_at_once_and_waits_only_until_the_deadline():
+    ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3, dead="x")]
+    s = _recovering(ranks, (2, 3))
+    assert NodeLossPolicy().suspects(s) == ("n1",)  # block 0 did not fail entirely
+    waiting = _recovering(ranks, (2, 3), probed=("n1",), state_age_s=1.0)
+    assert decide(waiting).action == Action.CONTINUE
+    answered = decide(_recovering(ranks, (2, 3), probed=("n1",), answered=("n1",)))
+    assert (answered.action, answered.lost_nodes) == (Action.REPLAN, ())
+    assert answered.reason.startswith("restart 1/3 after: rank 2 died")
+    late = decide(_recovering(ranks, (2, 3), probed=("n1",), state_age_s=5.5))
+    assert late.lost_nodes == (("n1", 2),)
+    refused = decide(_recovering(ranks, (2, 3), probed=("n1",), refused=("n1",), state_age_s=0.1))
+    assert (refused.action, refused.lost_nodes) == (Action.REPLAN, (("n1", 2),))
+
+
+def test_node_loss_without_a_probe_when_the_facts_are_certain():
+    silent = [rank(0), rank(1), rank(2, heartbeat_age_s=6.0), rank(3, heartbeat_age_s=6.0)]
+    assert NodeLossPolicy().suspects(_recovering(silent, (2, 3))) == ()
+    assert decide(_recovering(silent, (2, 3))).lost_nodes == (("n1", 2),)
+    ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3, dead="x")]
+    reported = _recovering(ranks, (2, 3), reported_lost=(1,))
+    assert NodeLossPolicy().suspects(reported) == ()
+    assert decide(reported).lost_nodes == (("n1", 2),)
+    evicted = _recovering(ranks, (3, 2), known_lost=(("n1", 2),))
+    assert decide(evicted).lost_nodes == (("n1", 2),)
+
+
+# ---- the transition table --------------------------------------------------------------------
+def test_table_gives_every_state_a_deadline_and_a_way_out():
+    spec = load_spec()
+    for state in JobState:
+        if state.terminal:
+            assert state not in TRANSITIONS and state not in DEADLINES
+            continue
+        moves = TRANSITIONS[state]
+        assert moves[Action.CANCEL] == JobState.CANCELLED
+        assert any(target != state for action, target in moves.items() if action != Action.CANCEL)
+        deadline = DEADLINES[state]
+        assert hasattr(spec.fault_tolerance, deadline.field) and deadline.way_out
+        assert deadline.seconds(spec.fault_tolerance) < float("inf")
+
+
+def test_controller_docstring_diagram_is_the_table():
+    from orchestrator import controller
+
+    doc = inspect.getdoc(controller)
+    assert "\n".join(line.strip() for line in state_diagram().splitlines()) in \
+        "\n".join(line.strip() for line in doc.splitlines())
+
+
+def test_next_state_refuses_a_pair_the_table_does_not_have():
+    assert next_state(JobState.RESCALING, Action.REPLAN) == JobState.PLACING
+    with pytest.raises(ValueError, match="'rescale' is not allowed in state RECOVERING"):
+        next_state(JobState.RECOVERING, Action.RESCALE)
 
 
 def test_scaling_uses_available_nodes_within_bounds():

@@ -104,6 +104,7 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
            resume: bool, storage_options: dict[str, Any] | None,
            slow_factor: Callable[[], float] | None = None) -> dict[str, Any]:
     from checkpoint.manager import CheckpointManager
+    from workers.events import stamp
     from workers.trainer import Trainer
 
     trainer = Trainer(spec, layout)
@@ -112,13 +113,13 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
     def report(events: list[dict[str, Any]]) -> None:
         for event in events:
             if emit is not None:
-                emit({**event, "rank": rank})
+                emit(stamp({**event, "rank": rank}))
 
     with CheckpointManager(spec, trainer, rank, world, storage_options=storage_options) as mgr:
         resumed = mgr.load() if resume else None
         report(mgr.drain_events())
         if on_step is not None:
-            on_step({"event": "started", "step": trainer.step, "resumed_from": resumed, **base})
+            on_step(stamp({"event": "started", "step": trainer.step, "resumed_from": resumed, **base}))
         record: dict[str, Any] = {"event": "step", "step": trainer.step, "loss": None, **base}
         target, every = steps or spec.train.steps, spec.checkpoint.every_steps
         while trainer.step < target:
@@ -144,7 +145,7 @@ def _step_record(result: Any, base: dict[str, Any]) -> dict[str, Any]:
     return {"event": "step", "step": result.step, "loss": result.loss,
             "tokens_per_s": result.tokens_per_s, **base,
             "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
-            "lr": result.lr, "step_s": result.step_s}
+            "lr": result.lr, "step_s": result.step_s, "time": round(time.time(), 6)}
 
 
 def _any_rank_says(flag: bool) -> bool:
@@ -221,6 +222,7 @@ def _next_event(queue: Any, procs: list, deadline: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from orchestrator.spec import SpecError, load_spec
     from parallel.layout import LayoutError, layout_from_spec
+    from workers.events import human
 
     parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.split("\n")[0])
     parser.add_argument("spec", nargs="?", help="job spec (YAML/JSON); default: the embedded tiny job")
@@ -239,11 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = open(args.log_json, "a") if args.log_json else None
 
     def on_event(event: dict[str, Any]) -> None:
-        if event["event"] == "step":
-            print(f"step {event['step']:>5}  loss {event['loss']:.6f}  "
-                  f"tokens/s {event['tokens_per_s']:.0f}  {layout.describe()}", flush=True)
-        else:
-            print(json.dumps(event), flush=True)
+        print(human(event), flush=True)
         if sink:
             sink.write(json.dumps(event) + "\n")
             sink.flush()
