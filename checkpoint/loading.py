@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint.catalog import Catalog, CatalogError, Manifest, version_name
 from checkpoint.errors import CheckpointError, ModelMismatchError
 from checkpoint.planning import dist_on, single_process_quiet
-from checkpoint.shards import FORMAT, RawReader, ShardError
+from checkpoint.metadata_codec import FORMAT, LEGACY_FORMAT, legacy_refusal
+from checkpoint.shards import RawReader, ShardError
 from checkpoint.state import describe_error
 from checkpoint.storage import StorageError
 
@@ -57,6 +58,8 @@ def check_manifest(manifest: Manifest, url: str, model_hash: str, seed: int) -> 
             f"model_hash {manifest.model_hash[:16]}..., this job's model spec hashes to "
             f"{model_hash[:16]}...; refusing to load (check the job's model section or "
             f"checkpoint.uri)")
+    if manifest.extra.get("format") == LEGACY_FORMAT:
+        raise CheckpointError(legacy_refusal(url))
     if manifest.extra.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {url} has format {manifest.extra.get('format')!r}, "
                               f"this Tenax reads {FORMAT!r}")

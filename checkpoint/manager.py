@@ -74,7 +74,8 @@ from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMis
                                StateProviderError)
 from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
 from checkpoint.planning import PlanCache, dist_on, plan_save
-from checkpoint.shards import FORMAT, byte_view
+from checkpoint.metadata_codec import FORMAT
+from checkpoint.shards import byte_view
 from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
                               describe_error)
 from checkpoint.storage import Storage, StorageError

@@ -6,7 +6,8 @@ where the tensors are. Tenax wants the opposite split: plan on the training thre
 collectives, milliseconds), then write later from a snapshot — a forked low-priority process, a
 background thread, or inline. So tensors are stored as raw contiguous bytes, one file per rank
 (`__<rank>_0.distcp`), at offsets decided during planning; `.metadata` is DCP's own `Metadata`
-whose `storage_data` maps each chunk to a `ShardLocation`. `RawReader` reads them back through
+whose `storage_data` maps each chunk to a `ShardLocation`, stored as JSON (metadata_codec.py:
+nothing read from storage is unpickled). `RawReader` reads them back through
 `Storage` on any fsspec protocol, and DCP's load planner does the resharding into any layout.
 
 The format tag `FORMAT` goes into the manifest; stock DCP readers cannot read these files.
@@ -15,11 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 from collections import deque
 from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,11 +29,12 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   SavePlan, SavePlanner, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from checkpoint.metadata_codec import (FORMAT, MetadataFormatError, ShardLocation,
+                                       decode_metadata, dtype_from_name, encode_metadata)
 from checkpoint.storage import Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "tenax-raw-1"
 METADATA_NAME = ".metadata"
 READ_WINDOW = 4  # stored chunks read concurrently (object stores are latency-bound)
 
@@ -46,15 +46,6 @@ class ShardError(Exception):
         super().__init__(message)
 
 
-@dataclass(frozen=True)
-class ShardLocation:
-    """Where one saved chunk lives: raw row-major bytes of `shape` and `dtype`."""
-
-    file: str
-    offset: int
-    length: int
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the 'torch.' prefix
 
 
 def shard_file(rank: int) -> str:
@@ -76,7 +67,7 @@ class DeferredWriter(StorageWriter):
 
     After `dcp.save(state, storage_writer=w)` returns, `w.tensors` lists this rank's
     (offset, tensor) pieces of `w.file` (None when dedup left the rank nothing to write) and, on
-    the coordinator, `w.metadata_bytes` is the pickled `.metadata`. The caller writes them.
+    the coordinator, `w.metadata_bytes` is the JSON `.metadata`. The caller writes them.
     """
 
     def __init__(self) -> None:
@@ -123,7 +114,7 @@ class DeferredWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         metadata.version = FORMAT
-        self.metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self.metadata_bytes = encode_metadata(metadata)
 
     def storage_meta(self) -> StorageMeta | None:
         return None
@@ -132,12 +123,6 @@ class DeferredWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # only ever passed explicitly as storage_writer
 
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ShardError(f"unknown dtype {name!r} in checkpoint metadata")
-    return dtype
 
 
 class RawReader(StorageReader):
@@ -159,15 +144,9 @@ class RawReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rel = f"{self.version}/{METADATA_NAME}"
         try:
-            metadata = pickle.loads(self.storage.read_bytes(rel))
-        except StorageError:
-            raise
-        except Exception as exc:
-            raise ShardError(f"cannot read {self.storage.url(rel)}: "
-                             f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(metadata, Metadata) or metadata.version != FORMAT:
-            raise ShardError(f"{self.storage.url(rel)} is not a {FORMAT} checkpoint")
-        return metadata
+            return decode_metadata(self.storage.read_bytes(rel), self.storage.url(rel))
+        except MetadataFormatError as exc:
+            raise ShardError(str(exc)) from None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -207,7 +186,7 @@ class RawReader(StorageReader):
         if loc is None:
             raise ShardError(f"{self.version}: no stored chunk for {index.fqn!r} at "
                              f"{tuple(index.offset or ())}")
-        dtype, shape = _dtype(loc.dtype), loc.shape
+        dtype, shape = dtype_from_name(loc.dtype), loc.shape
         if not shape:
             lo, hi, row_bytes = 0, 1, loc.length
         else:

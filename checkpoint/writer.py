@@ -1,7 +1,7 @@
 """The write phase of a save, wherever it runs: a forked process, a thread, or inline.
 
 A `SaveJob` holds everything one rank must write after DCP planned the save: byte views of its
-tensors at planned offsets, and on rank 0 the pickled `.metadata` plus what the manifest needs.
+tensors at planned offsets, and on rank 0 the JSON `.metadata` plus what the manifest needs.
 `run_job` writes the rank's shard, then a marker `rank-NNNNN.json` saying it finished (or why
 it failed). Rank 0's job then waits for every rank's marker and only then commits through
 `Catalog.commit` (manifest last) and applies retention. So the second phase of the two-phase

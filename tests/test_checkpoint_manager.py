@@ -166,7 +166,7 @@ def test_ckpt_list_and_inspect(tmp_path: Path, capsys) -> None:
     assert rows[0]["layout"]["dp"] == 1 and rows[0]["bytes"] > 0
     assert tenax(["ckpt", "inspect", uri, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["step"] == 1 and doc["extra"]["format"] == "tenax-raw-1" and doc["files"]
+    assert doc["step"] == 1 and doc["extra"]["format"] == "tenax-raw-2" and doc["files"]
     assert tenax(["ckpt", "inspect", uri]) == 0 and tenax(["ckpt", "list", uri]) == 0
     assert tenax(["ckpt", "inspect", uri, "--step", "5"]) == 2
 
