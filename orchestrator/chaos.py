@@ -8,51 +8,26 @@ hundreds of GPUs for weeks.
 
 Each fault fires once per job, not once per attempt: a restart resumes from an earlier step and
 would otherwise meet the same `at=` again forever. A small Ray actor (the ledger) records what
-fired; a rank claims an event before injecting it.
+fired; a rank claims an event before injecting it. The rank side (`ChaosEvent`,
+`ChaosInjector`) lives in workers/chaos_injector.py, re-exported here.
 """
 from __future__ import annotations
 
 import logging
-import os
 import re
-import signal
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+
+from workers.chaos_injector import ChaosEvent, ChaosInjector
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "slow", "scale", "corrupt-checkpoint")
+__all__ = ["KINDS", "ChaosError", "ChaosEvent", "ChaosInjector", "ChaosLedger",
+           "corrupt_newest_checkpoint", "parse_chaos", "validate_for_job"]
 
 
 class ChaosError(ValueError):
     """A --chaos spec that cannot be parsed; the message names the event and the problem."""
-
-
-@dataclass(frozen=True)
-class ChaosEvent:
-    kind: str  # kill | hang | slow | scale | corrupt-checkpoint
-    at: int  # fires when the job is about to run step `at`
-    rank: int | None = None
-    node: int | None = None  # placement order: node k holds ranks [k*g, (k+1)*g)
-    factor: float = 1.0
-    nodes: int | None = None  # scale target
-
-    @property
-    def id(self) -> str:
-        target = f"rank={self.rank}" if self.rank is not None else f"node={self.node}"
-        return f"{self.kind}:{target}:at={self.at}:nodes={self.nodes}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def targets(self, rank: int, gpus_per_node: int) -> bool:
-        """Whether this rank injects the fault (controller-side kinds target no rank)."""
-        if self.kind in ("scale", "corrupt-checkpoint"):
-            return False
-        if self.node is not None:
-            return rank // gpus_per_node == self.node
-        return self.rank == rank
 
 
 _FIELD = re.compile(r"^(rank|node|at|factor|nodes)=([^=\s]+)$")
@@ -128,49 +103,6 @@ class ChaosLedger:
 
     def fired_events(self) -> dict[str, float]:
         return dict(self.fired)
-
-
-class ChaosInjector:
-    """Runs inside a rank's training process, between steps: injects the faults aimed at it."""
-
-    def __init__(self, events: list[dict[str, Any]], rank: int, gpus_per_node: int,
-                 claim: Callable[[str], bool], node_killable: bool = False) -> None:
-        self.events = [ChaosEvent(**e) for e in events]
-        self.rank, self.gpus_per_node = rank, gpus_per_node
-        self.claim, self.node_killable = claim, node_killable
-        self.slow_factor = 1.0
-
-    def before_step(self, step: int) -> None:
-        """Called when this rank is about to run `step` (1-based)."""
-        for e in self.events:
-            if e.at == step and e.targets(self.rank, self.gpus_per_node) \
-                    and self.claim(f"{e.id}:{self.rank}"):
-                self._inject(e)
-
-    def _inject(self, e: ChaosEvent) -> None:
-        logger.warning("chaos: injecting %s on rank %d", e.id, self.rank)
-        if e.kind == "kill" and e.node is not None and self.node_killable:
-            _kill_raylet()
-        if e.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif e.kind == "slow":
-            self.slow_factor = e.factor  # the trainer stretches this rank's compute by it
-        elif e.kind == "hang":
-            # Stop stepping but keep the process (and its heartbeats) alive: only the hang
-            # timeout can tell. The controller kills this process when it recovers.
-            while True:
-                time.sleep(1.0)
-
-
-def _kill_raylet() -> None:
-    """A real node loss: SIGKILL the raylet this process runs under (never the head's)."""
-    import psutil
-
-    for parent in psutil.Process(os.getpid()).parents():
-        if parent.name() == "raylet":
-            logger.warning("chaos: killing raylet pid %d", parent.pid)
-            parent.kill()
-            return
 
 
 def corrupt_newest_checkpoint(uri: str) -> str:

@@ -88,8 +88,8 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_layout(args: argparse.Namespace) -> int:
-    from orchestrator.spec import load_spec
-    from parallel.planner import plan_for_spec, plan_layout
+    from orchestrator.spec import load_spec, plan_for_spec
+    from parallel.planner import plan_layout
 
     if args.spec:
         spec = load_spec(args.spec, args.overrides)
@@ -97,7 +97,7 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
     else:
         # A preset names only a model: every degree, the batch split and precision are free.
         spec = load_spec(preset=args.model_preset, overrides=args.overrides)
-        result = plan_layout(spec.model, args.gpus, args.gpus_per_node, args.gpu_mem_gib,
+        result = plan_layout(spec.model.args(), args.gpus, args.gpus_per_node, args.gpu_mem_gib,
                              global_batch_size=args.global_batch_size)
     doc = result.to_dict()
     if args.json:

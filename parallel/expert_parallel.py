@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from orchestrator.spec import MoESpec
+from parallel.config import MoEArgs
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class _Routing:
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts; a drop-in replacement for the dense `FeedForward`."""
 
-    def __init__(self, dim: int, hidden: int, moe: MoESpec) -> None:
+    def __init__(self, dim: int, hidden: int, moe: MoEArgs) -> None:
         super().__init__()
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.capacity_factor, self.aux_loss_coef = moe.capacity_factor, moe.aux_loss_coef

@@ -16,12 +16,12 @@ import itertools
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
+
+from parallel.config import ModelArgs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from orchestrator.spec import JobSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -82,34 +82,20 @@ class ParallelLayout:
             + f" zero{self.zero}" if self.world_size > 1 else f"single rank zero{self.zero}"
 
     # ---- validation ------------------------------------------------------------------------
-    def problems(self, model: "ModelSpec", world_size: int | None = None,
+    def problems(self, model: ModelArgs, world_size: int | None = None,
                  global_batch_size: int | None = None) -> list[str]:
         """Every reason this layout cannot train `model`; empty when it can."""
         out = []
         if world_size is not None and self.world_size != world_size:
             out.append(f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} "
                        f"!= world size {world_size}")
-        for f in ("n_heads", "n_kv_heads"):
-            if getattr(model, f) % self.tp:
-                out.append(f"tp={self.tp} does not divide model.{f}={getattr(model, f)}")
-        if self.pp * self.pp_virtual_stages > model.n_layers:
-            out.append(f"pp={self.pp} x virtual stages={self.pp_virtual_stages} exceeds "
-                       f"model.n_layers={model.n_layers}")
-        if self.pp_virtual_stages > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
-            out.append(f"pp_virtual_stages={self.pp_virtual_stages} needs schedule "
-                       f"interleaved_1f1b or zero_bubble, not {self.pp_schedule}")
-        if model.seq_len % (2 * self.cp):
-            out.append(f"2*cp={2 * self.cp} does not divide model.seq_len={model.seq_len}")
-        if self.ep > 1 and model.moe is None:
-            out.append(f"ep={self.ep} needs an MoE model (model.moe is null)")
-        if model.moe is not None and model.moe.num_experts % self.ep:
-            out.append(f"ep={self.ep} does not divide model.moe.num_experts={model.moe.num_experts}")
+        out.extend(degree_problems(model, self.to_dict()))
         out.extend(self.engine_problems(model))
         if global_batch_size is not None:
             out.extend(self.batch_problems(global_batch_size))
         return out
 
-    def engine_problems(self, model: "ModelSpec") -> list[str]:
+    def engine_problems(self, model: ModelArgs) -> list[str]:
         """Combinations the engine rejects up front rather than train wrongly."""
         out = []
         if (model.seq_len // self.cp) % self.tp:
@@ -126,19 +112,10 @@ class ParallelLayout:
         return out
 
     def batch_problems(self, global_batch_size: int) -> list[str]:
-        per_rank = self.dp * self.micro_batch_size
-        if global_batch_size % per_rank:
-            return [f"dp*micro_batch_size = {self.dp}*{self.micro_batch_size} does not divide "
-                    f"train.global_batch_size={global_batch_size}"]
-        micro = global_batch_size // per_rank
-        if self.pp > 1 and micro < self.pp:
-            return [f"pp={self.pp} needs at least {self.pp} micro-batches per step, "
-                    f"train.global_batch_size={global_batch_size} gives {micro}"]
-        if self.pp > 1 and self.pp_virtual_stages > 1 and micro % self.pp:
-            return [f"interleaved schedules need micro-batches ({micro}) divisible by pp={self.pp}"]
-        return []
+        return batch_problems(global_batch_size, self.micro_batch_size, self.dp, self.pp,
+                              self.pp_virtual_stages)
 
-    def validate(self, model: "ModelSpec", world_size: int | None = None,
+    def validate(self, model: ModelArgs, world_size: int | None = None,
                  global_batch_size: int | None = None) -> "ParallelLayout":
         problems = self.problems(model, world_size, global_batch_size)
         if problems:
@@ -257,10 +234,11 @@ class ParallelLayout:
         return init_device_mesh(device_type, self._shape, mesh_dim_names=MESH_DIMS)
 
 
-def layout_from_spec(spec: "JobSpec", world_size: int | None = None) -> ParallelLayout:
-    """The layout a spec asks for; fails if any degree is "auto" (ask the planner instead)."""
-    p = spec.parallel
-    degrees = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep")}
+def layout_for(parallel: Mapping[str, Any], model: ModelArgs, global_batch_size: int,
+               world_size: int | None = None) -> ParallelLayout:
+    """The layout the spec's `parallel` section asks for (as a plain mapping); fails if any
+    degree is "auto" (ask the planner instead), except dp when `world_size` fixes it."""
+    degrees = {k: parallel[k] for k in ("dp", "tp", "pp", "cp", "ep")}
     auto = [k for k, v in degrees.items() if v == "auto"]
     if auto and world_size is not None and auto == ["dp"]:
         fixed = degrees["tp"] * degrees["pp"] * degrees["cp"]
@@ -270,6 +248,65 @@ def layout_from_spec(spec: "JobSpec", world_size: int | None = None) -> Parallel
         degrees["dp"] = world_size // fixed
     elif auto:
         raise LayoutError(f"parallel.{auto[0]}: 'auto' needs the planner (or a world size for dp)")
-    layout = ParallelLayout(**degrees, zero=p.zero, micro_batch_size=p.micro_batch_size,
-                            pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages)
-    return layout.validate(spec.model, world_size, spec.train.global_batch_size)
+    layout = ParallelLayout(**degrees, zero=parallel["zero"],
+                            micro_batch_size=parallel["micro_batch_size"],
+                            pp_schedule=parallel["pp_schedule"],
+                            pp_virtual_stages=parallel["pp_virtual_stages"])
+    return layout.validate(model, world_size, global_batch_size)
+
+
+def degree_problems(model: ModelArgs, degrees: Mapping[str, Any],
+                    global_batch_size: int | None = None) -> list[str]:
+    """The one home of every rule between parallel degrees and the model (and the batch).
+
+    The spec checks what the user pinned (a degree that is "auto" or absent is skipped: the
+    planner picks it later, through ParallelLayout.problems, i.e. through this same function),
+    so each message names the spec field and its value whoever asks.
+    """
+    def known(name: str) -> int | None:
+        value = degrees.get(name, "auto")
+        return None if value == "auto" else value
+
+    out = []
+    tp, pp, cp, ep = known("tp"), known("pp"), known("cp"), known("ep")
+    virtual, schedule = degrees.get("pp_virtual_stages", 1), degrees.get("pp_schedule", "1f1b")
+    for f in ("n_heads", "n_kv_heads") if tp is not None else ():
+        if getattr(model, f) % tp:
+            out.append(f"parallel.tp: {tp} does not divide model.{f}={getattr(model, f)}")
+    if pp is not None and pp * virtual > model.n_layers:
+        out.append(f"parallel.pp: {pp} x pp_virtual_stages={virtual} exceeds "
+                   f"model.n_layers={model.n_layers}")
+    if virtual > 1 and schedule not in ("interleaved_1f1b", "zero_bubble"):
+        out.append(f"parallel.pp_virtual_stages: {virtual} needs pp_schedule interleaved_1f1b "
+                   f"or zero_bubble, not {schedule!r}")
+    if cp is not None and model.seq_len % (2 * cp):
+        out.append(f"parallel.cp: 2*{cp} does not divide model.seq_len={model.seq_len}")
+    if ep is not None and ep > 1 and model.moe is None:
+        out.append(f"parallel.ep: {ep} needs model.moe to be set")
+    elif ep is not None and model.moe is not None and model.moe.num_experts % ep:
+        out.append(f"parallel.ep: {ep} does not divide model.moe.num_experts={model.moe.num_experts}")
+    if global_batch_size is not None and "micro_batch_size" in degrees:
+        out.extend(batch_problems(global_batch_size, degrees["micro_batch_size"], known("dp"),
+                                  pp or 1, virtual))
+    return out
+
+
+def batch_problems(global_batch_size: int, micro_batch_size: int, dp: int | None = None,
+                   pp: int = 1, pp_virtual_stages: int = 1) -> list[str]:
+    """Whether the global batch splits into whole micro-batches (dp None = not chosen yet)."""
+    if dp is None:
+        if global_batch_size % micro_batch_size:
+            return [f"parallel.micro_batch_size: {micro_batch_size} does not divide "
+                    f"train.global_batch_size={global_batch_size}"]
+        return []
+    if global_batch_size % (dp * micro_batch_size):
+        return [f"parallel.micro_batch_size: dp*micro_batch_size = {dp}*{micro_batch_size} does "
+                f"not divide train.global_batch_size={global_batch_size}"]
+    micro = global_batch_size // (dp * micro_batch_size)
+    if pp > 1 and micro < pp:
+        return [f"parallel.pp: {pp} needs at least {pp} micro-batches per step, "
+                f"train.global_batch_size={global_batch_size} gives {micro}"]
+    if pp > 1 and pp_virtual_stages > 1 and micro % pp:
+        return [f"parallel.pp_virtual_stages: interleaved schedules need micro-batches ({micro}) "
+                f"divisible by pp={pp}"]
+    return []

@@ -1,4 +1,4 @@
-"""Llama-style decoder built from a `ModelSpec`, shaped so every parallelism can be applied later.
+"""Llama-style decoder built from a `ModelArgs`, shaped so every parallelism can be applied later.
 
 Why it looks the way it does:
 - `layers` is an `nn.ModuleDict` keyed "0".."n-1": a pipeline stage deletes the blocks it does
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orchestrator.spec import ModelSpec
+from parallel.config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelArgs) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         kv_dim = spec.n_kv_heads * spec.head_dim
@@ -125,7 +125,7 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_feed_forward(spec: ModelSpec) -> nn.Module:
+def build_feed_forward(spec: ModelArgs) -> nn.Module:
     """The FFN of one block: dense SwiGLU, or top-k routed SwiGLU experts when `spec.moe` is set."""
     if spec.moe is not None:
         # Imported here: expert_parallel is only needed by MoE models.
@@ -135,7 +135,7 @@ def build_feed_forward(spec: ModelSpec) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(spec.dim)
         self.attention = Attention(spec)
@@ -148,7 +148,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelArgs) -> None:
         super().__init__()
         # The full spec stays attached: a pipeline stage holding a few layers still needs the
         # global n_layers for the depth-scaled init.
@@ -236,7 +236,7 @@ def init_weights(model: Transformer, seed: int) -> None:
     logger.debug("initialised %d parameters from seed %d", len(list(model.parameters())), seed)
 
 
-def build_model(model_spec: ModelSpec, seed: int, device: str | torch.device = "cpu",
+def build_model(model_spec: ModelArgs, seed: int, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """Build on meta (no wasted default init), materialise on `device`, then `init_weights`."""
     with torch.device("meta"):

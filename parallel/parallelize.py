@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from orchestrator.spec import ModelSpec
+from parallel.config import ModelArgs
 from parallel.data_parallel import DataParallel, apply_fsdp
 from parallel.layout import ParallelLayout
 from parallel.model import Transformer, init_weights
@@ -86,7 +86,7 @@ class ParallelModel:
         return [p for dp in self.dps for p in dp.optimizer_params()]
 
 
-def _build_parts(spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> tuple[list[nn.Module], list[int]]:
+def _build_parts(spec: ModelArgs, layout: ParallelLayout, pp_rank: int) -> tuple[list[nn.Module], list[int]]:
     if layout.pp == 1:
         with torch.device("meta"):
             return [Transformer(spec)], [0]
@@ -98,7 +98,7 @@ def _build_parts(spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> tuple
     return parts, ids
 
 
-def _wrap_part(part: nn.Module, spec: ModelSpec, layout: ParallelLayout, mesh: DeviceMesh,
+def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh,
                groups: ParallelGroups) -> None:
     apply_tp(part, mesh["tp"])
     if layout.cp > 1:
@@ -128,7 +128,7 @@ def _build_dps(pm: ParallelModel) -> list[DataParallel]:
     return dps
 
 
-def parallelize(model_spec: ModelSpec, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
+def parallelize(model_spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
                 device: torch.device, dtype: torch.dtype = torch.float32) -> ParallelModel:
     groups = build_groups(layout, mesh)
     pp_rank = layout.coords(dist.get_rank())["pp"]

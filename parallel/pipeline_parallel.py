@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 
-from orchestrator.spec import ModelSpec
+from parallel.config import ModelArgs
 from parallel.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-def build_stage_module(spec: ModelSpec, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+def build_stage_module(spec: ModelArgs, layer_ids: list[int], first: bool, last: bool) -> Transformer:
     """A Transformer that keeps only `layer_ids` (built on the current default device)."""
     model = Transformer(spec)
     for key in list(model.layers.keys()):

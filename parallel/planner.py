@@ -21,17 +21,15 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
                                  bubble_time, cp_comm, crossing_dims, dp_comm, ep_comm, gib,
                                  in_flight_microbatches, layer_activation_bytes,
                                  model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
                                  train_flops_per_token)
+from parallel.config import ModelArgs
 from parallel.layout import LayoutError, ParallelLayout
-
-if TYPE_CHECKING:
-    from orchestrator.spec import JobSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +121,7 @@ class PlanResult:
 
 @dataclass(frozen=True)
 class _Ctx:
-    model: "ModelSpec"
+    model: ModelArgs
     gpus: int
     gpn: int
     gbs: int
@@ -334,7 +332,7 @@ def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanEr
                      f"recompute={small.recompute}); add GPUs or memory. Rejected: {why}")
 
 
-def plan_layout(model: "ModelSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
+def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
                 global_batch_size: int | None = None, seq_len: int | None = None,
                 network: Network = Network(), mfu: float = 0.4,
                 peak_flops: float = H100_BF16_PEAK, margin: float = 0.1,
@@ -356,7 +354,7 @@ def plan_layout(model: "ModelSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: 
         raise PlanError(f"need gpu_mem_gib > 0, 0 <= margin < 1, 0 < mfu <= 1, peak_flops > 0; "
                         f"got {gpu_mem_gib}, {margin}, {mfu}, {peak_flops}")
     if seq_len is not None and seq_len != model.seq_len:
-        model = model.model_copy(update={"seq_len": seq_len})
+        model = replace(model, seq_len=seq_len)
     ctx = _Ctx(model, gpus, gpus_per_node, global_batch_size or 4 * gpus,
                gpu_mem_gib * 2 ** 30 * (1 - margin), network, gpus * peak_flops * mfu, state,
                dtype_bytes, max_micro_batch, pinned, model.num_params(),
@@ -378,23 +376,24 @@ def plan_layout(model: "ModelSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: 
     return PlanResult(best, runners_up, dict(rejected), len(found), request)
 
 
-def plan_for_spec(spec: "JobSpec", gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
-                  pin_zero: bool = False, **options: Any) -> PlanResult:
-    """plan_layout honoring the spec: every degree that is not "auto" is pinned, and so are
+def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size: int, dtype: str,
+                gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0, pin_zero: bool = False,
+                **options: Any) -> PlanResult:
+    """plan_layout honoring the spec's `parallel` section (a plain mapping, "auto" = free), its
+    global batch and train.dtype: every degree that is not "auto" is pinned, and so are
     micro_batch_size, seq_len and the global batch. The ZeRO stage is free only while dp is
     "auto" (a user who fixes dp has sized the replicas, so their zero stays); the schedule and
     virtual stages are free only while pp is "auto". train.dtype float32 plans fp32 AdamW
     (4+4+8 B/param, 4-byte activations), otherwise bf16 mixed precision."""
-    p = spec.parallel
-    fixed: dict[str, Any] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep")
-                             if getattr(p, k) != "auto"}
-    if p.dp != "auto" or pin_zero:  # the controller keeps a running job's zero stage
-        fixed["zero"] = p.zero
-    if p.pp != "auto":
-        fixed.update(pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages)
-    fixed["micro_batch_size"] = p.micro_batch_size
-    fp32 = spec.train.dtype == "float32"
+    p = parallel
+    fixed: dict[str, Any] = {k: p[k] for k in ("dp", "tp", "pp", "cp", "ep") if p[k] != "auto"}
+    if p["dp"] != "auto" or pin_zero:  # the controller keeps a running job's zero stage
+        fixed["zero"] = p["zero"]
+    if p["pp"] != "auto":
+        fixed.update(pp_schedule=p["pp_schedule"], pp_virtual_stages=p["pp_virtual_stages"])
+    fixed["micro_batch_size"] = p["micro_batch_size"]
+    fp32 = dtype == "float32"
     options.setdefault("state", FP32_ADAMW if fp32 else MIXED_ADAMW)
     options.setdefault("dtype_bytes", 4 if fp32 else 2)
-    return plan_layout(spec.model, gpus, gpus_per_node, gpu_mem_gib, spec.train.global_batch_size,
-                       spec.model.seq_len, fixed=fixed, **options)
+    return plan_layout(model, gpus, gpus_per_node, gpu_mem_gib, global_batch_size,
+                       model.seq_len, fixed=fixed, **options)

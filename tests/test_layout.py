@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import load_spec
-from parallel.layout import MESH_DIMS, LayoutError, ParallelLayout, layout_from_spec
+from parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
+from workers.spec import layout_from_spec, load_spec
 from tests.distributed import free_port, init_gloo, run_ranks, shutdown_gloo
 
 @st.composite
@@ -68,16 +68,16 @@ def test_known_order_and_nodes():
 
 
 def test_validation_messages():
-    model = load_spec().model
-    with pytest.raises(LayoutError, match=r"tp=3 does not divide model.n_heads=8"):
+    model = load_spec().model.args()
+    with pytest.raises(LayoutError, match=r"parallel.tp: 3 does not divide model.n_heads=8"):
         ParallelLayout(dp=1, tp=3).validate(model, 3)
     with pytest.raises(LayoutError, match=r"= 4 != world size 6"):
         ParallelLayout(dp=4).validate(model, 6)
     with pytest.raises(LayoutError, match=r"exceeds model.n_layers=4"):
         ParallelLayout(pp=8).validate(model, 8)
-    with pytest.raises(LayoutError, match=r"2\*cp=6 does not divide model.seq_len=128"):
+    with pytest.raises(LayoutError, match=r"parallel.cp: 2\*3 does not divide model.seq_len=128"):
         ParallelLayout(cp=3).validate(model, 3)
-    with pytest.raises(LayoutError, match=r"ep=2 needs an MoE model"):
+    with pytest.raises(LayoutError, match=r"parallel.ep: 2 needs model.moe to be set"):
         ParallelLayout(dp=2, ep=2).validate(model, 2)
     with pytest.raises(LayoutError, match=r"does not divide train.global_batch_size=30"):
         ParallelLayout(dp=4, micro_batch_size=2).validate(model, 4, 30)
@@ -85,8 +85,8 @@ def test_validation_messages():
         ParallelLayout(dp=2, ep=3)
     with pytest.raises(LayoutError, match=r"layout.tp: 0"):
         ParallelLayout(tp=0)
-    moe = load_spec(overrides=["model.moe={num_experts: 6}"]).model
-    with pytest.raises(LayoutError, match=r"ep=4 does not divide model.moe.num_experts=6"):
+    moe = load_spec(overrides=["model.moe={num_experts: 6}"]).model.args()
+    with pytest.raises(LayoutError, match=r"parallel.ep: 4 does not divide model.moe.num_experts=6"):
         ParallelLayout(dp=4, ep=4).validate(moe, 4)
 
 

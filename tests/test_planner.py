@@ -6,28 +6,30 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.presets import PRESETS
-from orchestrator.spec import JobSpec, ModelSpec
-from parallel.planner import PlanError, PlanResult, plan_for_spec, plan_layout
+from orchestrator.spec import JobSpec, plan_for_spec
+from parallel.config import ModelArgs, MoEArgs
+from parallel.planner import PlanError, PlanResult, plan_layout
 
 REASON = re.compile(r"^(slower: .+ s vs .+ s \(more .+\)|does not fit: [\d.]+ GiB > [\d.]+ GiB|"
                     r"tie at .+)$")
 
 
-def preset(name: str) -> ModelSpec:
-    return ModelSpec(**PRESETS[name])
+def preset(name: str) -> ModelArgs:
+    return ModelArgs.from_dict(PRESETS[name])
 
 
-def check_plan(result: PlanResult, model: ModelSpec, gpus: int, gpus_per_node: int) -> None:
+def check_plan(result: PlanResult, model: ModelArgs, gpus: int, gpus_per_node: int) -> None:
     """Invariants every returned plan must hold."""
     lay, best = result.layout, result.best
     gbs = result.request["global_batch_size"]
-    seq_model = model.model_copy(update={"seq_len": result.request["seq_len"]})
+    seq_model = replace(model, seq_len=result.request["seq_len"])
     assert lay.problems(seq_model, gpus, gbs) == []
     assert best.fits and best.memory.total <= best.budget_bytes
     assert lay.tp <= gpus_per_node
@@ -75,7 +77,7 @@ def test_405b_with_zero1_pinned_falls_back_to_pipelines() -> None:
 
 
 def test_tiny_model_on_four_cpu_ranks_is_pure_data_parallel() -> None:
-    model = ModelSpec()
+    model = ModelArgs()
     result = plan_layout(model, 4, 4, global_batch_size=32)
     check_plan(result, model, 4, 4)
     assert result.layout.degrees() == {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}
@@ -84,12 +86,12 @@ def test_tiny_model_on_four_cpu_ranks_is_pure_data_parallel() -> None:
 def test_default_spec_on_two_nodes_of_two() -> None:
     spec = JobSpec()
     result = plan_for_spec(spec, 4, 2)
-    check_plan(result, spec.model, 4, 2)
+    check_plan(result, spec.model.args(), 4, 2)
     assert result.layout.dp == 4 and result.layout.micro_batch_size == 2
 
 
 def test_six_gpus_after_a_failure() -> None:
-    model = ModelSpec()
+    model = ModelArgs()
     result = plan_layout(model, 6, 2, global_batch_size=24)
     check_plan(result, model, 6, 2)
     assert result.layout.world_size == 6
@@ -128,7 +130,7 @@ def test_spec_zero_is_free_while_dp_is_auto() -> None:
 
 
 def test_pinned_pipeline_keeps_four_micro_batches_per_stage() -> None:
-    model = ModelSpec()
+    model = ModelArgs()
     result = plan_layout(model, 8, 8, global_batch_size=32, fixed={"pp": 4})
     check_plan(result, model, 8, 8)
     assert result.layout.pp == 4 and result.best.microbatches >= 16
@@ -143,16 +145,16 @@ def test_nothing_fits_names_the_smallest_need() -> None:
 
 
 def test_no_valid_layout_and_bad_arguments_are_clear() -> None:
-    with pytest.raises(PlanError, match="tp=N does not divide model.n_heads"):
-        plan_layout(ModelSpec(), 3, 4, fixed={"tp": 3})
+    with pytest.raises(PlanError, match="parallel.tp: N does not divide model.n_heads"):
+        plan_layout(ModelArgs(), 3, 4, fixed={"tp": 3})
     with pytest.raises(PlanError, match="tp=4 must divide 8 GPUs and stay inside a 2-GPU node"):
-        plan_layout(ModelSpec(), 8, 2, fixed={"tp": 4})
+        plan_layout(ModelArgs(), 8, 2, fixed={"tp": 4})
     with pytest.raises(PlanError, match="cannot multiply to 2"):
-        plan_layout(ModelSpec(), 2, 2, fixed={"tp": 2, "cp": 2})
+        plan_layout(ModelArgs(), 2, 2, fixed={"tp": 2, "cp": 2})
     with pytest.raises(PlanError, match="unknown: \\['tpp'\\]"):
-        plan_layout(ModelSpec(), 4, 4, fixed={"tpp": 2})
+        plan_layout(ModelArgs(), 4, 4, fixed={"tpp": 2})
     with pytest.raises(PlanError, match="'gpus': 0"):
-        plan_layout(ModelSpec(), 0, 4)
+        plan_layout(ModelArgs(), 0, 4)
 
 
 def test_runners_up_explain_why_they_lost() -> None:
@@ -182,21 +184,21 @@ def test_plans_are_deterministic() -> None:
 
 
 def test_moe_model_may_use_expert_parallelism() -> None:
-    model = ModelSpec(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256,
-                      ffn_hidden=1024, moe={"num_experts": 8, "top_k": 2})
+    model = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256,
+                      ffn_hidden=1024, moe=MoEArgs(num_experts=8, top_k=2))
     result = plan_layout(model, 8, 4, global_batch_size=32)
     check_plan(result, model, 8, 4)
     assert 8 % result.layout.ep == 0
 
 
 @st.composite
-def small_models(draw: st.DrawFn) -> ModelSpec:
+def small_models(draw: st.DrawFn) -> ModelArgs:
     heads = draw(st.sampled_from([1, 2, 4, 8]))
     kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0]))
     head_dim = draw(st.sampled_from([2, 8, 16]))
-    moe = draw(st.none() | st.builds(lambda e, k: {"num_experts": e, "top_k": min(k, e)},
+    moe = draw(st.none() | st.builds(lambda e, k: MoEArgs(num_experts=e, top_k=min(k, e)),
                                      st.sampled_from([2, 4, 8]), st.integers(1, 2)))
-    return ModelSpec(dim=heads * head_dim, n_layers=draw(st.integers(1, 8)), n_heads=heads,
+    return ModelArgs(dim=heads * head_dim, n_layers=draw(st.integers(1, 8)), n_heads=heads,
                      n_kv_heads=kv, vocab_size=draw(st.integers(2, 300)),
                      seq_len=draw(st.sampled_from([8, 16, 64, 128])),
                      ffn_hidden=draw(st.integers(1, 64)), moe=moe)
@@ -206,7 +208,7 @@ def small_models(draw: st.DrawFn) -> ModelSpec:
 @given(model=small_models(), gpus=st.integers(1, 12), gpn=st.sampled_from([1, 2, 3, 4, 6, 8]),
        gbs=st.sampled_from([1, 2, 6, 8, 12, 24, 32, 64]),
        mem=st.sampled_from([0.0001, 0.01, 80.0]))
-def test_any_returned_layout_is_valid(model: ModelSpec, gpus: int, gpn: int, gbs: int,
+def test_any_returned_layout_is_valid(model: ModelArgs, gpus: int, gpn: int, gbs: int,
                                       mem: float) -> None:
     try:
         result = plan_layout(model, gpus, gpn, gpu_mem_gib=mem, global_batch_size=gbs)

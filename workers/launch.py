@@ -80,8 +80,8 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     """
     import torch
 
-    from orchestrator.spec import spec_from_dict
     from parallel.layout import ParallelLayout
+    from workers.spec import spec_from_dict
 
     torch.set_num_threads(1)
     spec = spec_from_dict(spec_dict)
@@ -220,8 +220,8 @@ def _next_event(queue: Any, procs: list, deadline: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.spec import SpecError, load_spec
-    from parallel.layout import LayoutError, layout_from_spec
+    from parallel.layout import LayoutError
+    from workers.spec import SpecError, layout_from_spec, load_spec
     from workers.events import human
 
     parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.split("\n")[0])

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from orchestrator.spec import JobSpec
 from parallel.data_parallel import local
 from parallel.layout import ParallelLayout
 from parallel.model import cross_entropy_sum
 from parallel.parallelize import ParallelModel, parallelize
 from workers.data import TokenDataLoader
+from workers.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,12 @@ class Trainer:
     def __init__(self, spec: JobSpec, layout: ParallelLayout, optimizer: str = "adamw",
                  device: torch.device | None = None) -> None:
         self.spec, self.layout = spec, layout
-        layout.validate(spec.model, dist.get_world_size(), spec.train.global_batch_size)
+        model_args = spec.model.args()  # the engine takes its own plain config
+        layout.validate(model_args, dist.get_world_size(), spec.train.global_batch_size)
         self.device = device or pick_device(spec)
         self.mesh = layout.build_mesh(self.device.type)
         # Params stay fp32 (master weights); low precision comes from autocast on GPUs.
-        self.pm: ParallelModel = parallelize(spec.model, layout, self.mesh, spec.train.seed,
+        self.pm: ParallelModel = parallelize(model_args, layout, self.mesh, spec.train.seed,
                                              self.device)
         self.parts = self.pm.parts
         self.optimizer = self._build_optimizer(optimizer)

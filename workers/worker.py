@@ -68,7 +68,7 @@ def _child_main(run: RankRun, conn: Any, control: Any) -> None:
     boundary and exit (planned scale changes lose no steps). Every rank agrees on that
     boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank got
     the request."""
-    from orchestrator.chaos import ChaosInjector
+    from workers.chaos_injector import ChaosInjector
     from workers.launch import run_rank
 
     def claim(key: str) -> bool:

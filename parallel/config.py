@@ -1,0 +1,78 @@
+"""The engine's own model config: plain frozen dataclasses, built from the job spec by the caller.
+
+`parallel/` is the bottom layer (orchestrator -> workers -> parallel), so it cannot see the
+user-facing pydantic spec; like torchtitan's `ModelArgs`, the engine takes only the numbers it
+needs. Validation of user input happens once, in the spec; these classes trust their inputs
+except for the shape rules the engine itself relies on (`degree_problems` in layout.py checks
+the parallel degrees against them).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """A Llama-style decoder's shape; `moe` set means routed SwiGLU experts replace the FFN."""
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 512
+    seq_len: int = 128
+    ffn_hidden: int = 688
+    moe: MoEArgs | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelArgs":
+        """From the spec's `model` section as a plain mapping (unknown keys are an error)."""
+        fields = dict(d)
+        moe = fields.pop("moe", None)
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"model: unknown keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
+        return cls(**fields, moe=MoEArgs(**moe) if moe is not None else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def ffn_params(self) -> int:
+        return 3 * self.dim * self.ffn_hidden  # SwiGLU: gate, up, down
+
+    def layer_params(self, active: bool = False) -> int:
+        """Parameters of one decoder block (attention, FFN or MoE, two RMSNorms)."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = 2 * self.dim * self.dim + 2 * self.dim * kv
+        if self.moe is None:
+            ffn = self.ffn_params()
+        else:
+            experts = self.moe.top_k if active else self.moe.num_experts
+            ffn = experts * self.ffn_params() + self.dim * self.moe.num_experts  # + router
+        return attn + ffn + 2 * self.dim
+
+    def num_params(self, active: bool = False) -> int:
+        """Total parameters (untied embedding and head); `active` counts top_k experts only."""
+        embed_and_head = 2 * self.vocab_size * self.dim
+        return embed_and_head + self.n_layers * self.layer_params(active) + self.dim
+
+    def expert_params(self) -> int:
+        """Parameters that live in experts (sharded by ep); 0 for a dense model."""
+        if self.moe is None:
+            return 0
+        return self.n_layers * self.moe.num_experts * self.ffn_params()
