@@ -40,12 +40,20 @@ TINY = ["model.n_layers=2", "model.dim=64", "model.n_heads=8", "model.n_kv_heads
         "model.ffn_hidden=96", "model.seq_len=32", "model.vocab_size=128",
         "train.global_batch_size=8", "train.warmup_steps=0", "parallel.micro_batch_size=1"]
 MOE = "model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0, aux_loss_coef: 0.05}"
+DP_BATCH = 16  # global batch of the DP rows: 1 and 4 micro-batches at both dp2 and dp4
+
+
+def dp_rows(n: int) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """dpN zero 0-3 with m = 1 and m = 4 micro-batches per step (name ends "zeroZ mM")."""
+    return [(f"dp{n} zero{z} m{m}", {"dp": n, "zero": z, "micro_batch_size": DP_BATCH // (n * m)},
+             [f"train.global_batch_size={DP_BATCH}"]) for z in range(4) for m in (1, 4)]
+
+
 WORLD2 = [("tp2 L2", {"tp": 2, "zero": 0}, []), ("tp2 L3", {"tp": 2, "zero": 0}, ["model.n_layers=3"]),
-          ("dp2 zero0", {"dp": 2, "zero": 0}, []), ("dp2 zero1", {"dp": 2, "zero": 1}, []),
-          ("dp2 zero2", {"dp": 2, "zero": 2}, []), ("dp2 zero3", {"dp": 2, "zero": 3}, []),
+          *dp_rows(2),
           ("pp2", {"pp": 2, "zero": 0}, []), ("cp2", {"cp": 2, "zero": 0}, []),
           ("ep2", {"dp": 2, "ep": 2, "zero": 0}, [MOE])]
-WORLD4 = [(f"dp4 zero{z}", {"dp": 4, "zero": z}, []) for z in range(4)]
+WORLD4 = dp_rows(4)
 WIRE = {"all_reduce": lambda b, n: 2 * (n - 1) / n * b, "all_gather": lambda b, n: (n - 1) * b,
         "reduce_scatter": lambda b, n: (n - 1) / n * b, "all_to_all": lambda b, n: (n - 1) / n * b,
         "send": lambda b, n: b, "broadcast": lambda b, n: b}
@@ -138,18 +146,13 @@ def _watch_accumulated_grads(trainer: Any) -> dict[str, int]:
     """Record the grad bytes a rank holds when the last micro-batch begins (after m-1
     micro-batches of accumulation): the ledger's grads figure should hold at that peak too.
     Hand-written DP only (FSDP2 keeps its accumulated grads internally)."""
-    from parallel.data_parallel import local
-
     peak: dict[str, int] = {}
-    begin = trainer._begin_micro_batch
 
-    def watched(last: bool) -> None:
-        if last and trainer.pm.dps:
-            peak["grads"] = sum(local(p.grad).numel() * local(p.grad).element_size()
-                                for p in trainer.pm.parameters() if p.grad is not None)
-        begin(last)
+    def watched(index: int, last: bool) -> None:
+        if last and index > 0 and trainer.pm.dps:
+            peak["grads"] = sum(dp.held_grad_bytes() for dp in trainer.pm.dps)
 
-    trainer._begin_micro_batch = watched
+    trainer.on_micro_batch = watched
     return peak
 
 
@@ -161,7 +164,7 @@ def measure_config(layout: dict[str, Any], extra: list[str]) -> dict[str, Any]:
     from workers.trainer import Trainer
 
     spec = load_spec(overrides=TINY + extra)
-    trainer = Trainer(spec, ParallelLayout(micro_batch_size=1, **layout))
+    trainer = Trainer(spec, ParallelLayout(**{"micro_batch_size": 1, **layout}))
     trainer.run_step()
     peak = _watch_accumulated_grads(trainer)
     cps = [p.cp_comm_counter for p in trainer.parts if hasattr(p, "cp_comm_counter")]
@@ -259,18 +262,12 @@ def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
     report.add("comm TP+SP, per layer", ratio(pred, per_layer), "== 1 ±0.01",
                f"{pred:.0f} B predicted vs {per_layer:.0f} B (3 layers - 2 layers)")
     step = wire(l2, ("all_gather", "reduce_scatter", "all_reduce"))
-    pred = tp_comm(gb, m.seq_len, m.dim, 2, m.n_layers, dtype_bytes=4).nbytes
+    norms = (2 * m.n_layers + 1) * m.dim * 4
+    pred = tp_comm(gb, m.seq_len, m.dim, 2, m.n_layers, 4, vocab=m.vocab_size,
+                   norm_grad_bytes=norms).nbytes
     report.add("comm TP+SP, whole step", ratio(pred, step), "== 1 ±0.01",
-               f"{pred:.0f} vs {step:.0f} B: the SP boundaries at the embedding and head "
-               "and the norms' grad all-reduces are not modelled")
-    for name, runs in r2.items():
-        if not name.startswith("dp"):
-            continue
-        n, zero = int(name[2]), int(name[-1])
-        got = wire(runs[0]["comm"], ("all_reduce", "all_gather", "reduce_scatter"))
-        pred = dp_comm(4 * runs[0]["n_params"], n, zero, microbatches=runs[0]["accum"]).nbytes
-        report.add(f"comm DP {name}", ratio(pred, got), "== 1 ±0.01",
-                   f"{pred:.0f} vs {got:.0f} B; {runs[0]['accum']} micro-batches/step")
+               f"{pred:.0f} vs {step:.0f} B: layers + embedding/head SP boundaries + logits "
+               "all-gather + norms' grad all-reduce")
     sent = sum(r["comm"].get("send", {}).get("bytes", 0) for r in r2["pp2"])
     pred = pp_comm(1, m.seq_len, m.dim, r2["pp2"][0]["accum"], dtype_bytes=4).nbytes
     report.add("comm PP p2p, per boundary", ratio(pred, sent), "== 1 ±0.01",
@@ -280,13 +277,27 @@ def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
     report.add("comm PP p2p, messages (latency steps)", ratio(pred_steps, msgs), "== 1 ±0.01",
                f"{pred_steps:.0f} vs {msgs}")
     cp = r2["cp2"][0]
-    pred = cp_comm(gb, m.seq_len, m.n_kv_heads, m.head_dim, 2, m.n_layers, dtype_bytes=4)
+    pred = cp_comm(gb, m.seq_len, m.n_kv_heads, m.head_dim, 2, m.n_layers, 4, cp["accum"])
     report.add("comm CP ring", ratio(pred.nbytes, cp["cp_bytes"]), "== 1 ±0.01",
                f"{pred.nbytes:.0f} vs {cp['cp_bytes']:.0f} B")
     report.add("comm CP ring, hops (latency steps)", ratio(pred.steps, cp["cp_hops"]),
                "== 1 ±0.01", f"{pred.steps:.0f} vs {cp['cp_hops']}: a ring per micro-batch "
                f"({cp['accum']} per step)")
     ep_rows(report, r2["ep2"])
+    dp_comm_rows(report, r2)
+
+
+def dp_comm_rows(report: Report, results: dict[str, list[dict[str, Any]]]) -> None:
+    from parallel.cost_model import dp_comm
+
+    for name, runs in results.items():
+        if not name.startswith("dp"):
+            continue
+        n, zero = int(name[2]), int(name.split()[1][-1])
+        got = wire(runs[0]["comm"], ("all_reduce", "all_gather", "reduce_scatter"))
+        pred = dp_comm(4 * runs[0]["n_params"], n, zero, microbatches=runs[0]["accum"]).nbytes
+        report.add(f"comm DP {name}", ratio(pred, got), "== 1 ±0.01",
+                   f"{pred:.0f} vs {got:.0f} B; {runs[0]['accum']} micro-batches/step")
 
 
 def ep_rows(report: Report, runs: list[dict[str, Any]]) -> None:

@@ -71,7 +71,7 @@ def cmd_plan_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_bubble(args: argparse.Namespace) -> int:
-    from parallel.cost_model import bubble_table
+    from parallel.bubble import bubble_table
 
     table = bubble_table(args.pp, args.microbatches, virtual=args.virtual, F=args.F, B=args.B,
                          W=args.W, FB=args.FB)

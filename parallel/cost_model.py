@@ -1,4 +1,4 @@
-"""Closed-form cost model: memory per rank, communication volume and time, pipeline bubble.
+"""Closed-form cost model: memory per rank, communication volume and time (bubble: bubble.py).
 
 The planner must rank hundreds of layouts in well under a second after every failure, so every
 estimate here is a pure function of a few numbers (no torch, no process groups). Each function
@@ -249,28 +249,50 @@ def all_to_all(size: float, n: int) -> Comm:
 
 
 def tp_comm(batch: int, seq: int, hidden: int, tp: int, layers: int, dtype_bytes: float = 2,
-            recompute: str = "none") -> Comm:
+            recompute: str = "none", vocab: int = 0, norm_grad_bytes: float = 0.0) -> Comm:
     """4 ring all-reduces per layer per step (2 forward, 2 backward) of b*s*h*dtype each.
 
     b is the batch the rank processes per step (global batch / dp, all micro-batches). With
     sequence parallel each all-reduce becomes all-gather + reduce-scatter: same volume. Full
     recompute reruns the forward, adding its 2 all-reduces per layer.
+
+    `vocab` > 0 adds the stage ends the engine runs (tensor_parallel.py): the vocab-parallel
+    embedding's reduce-scatter into the sequence-sharded stream and its backward all-gather,
+    the head's sequence all-gather and its backward reduce-scatter (one all-reduce each), and
+    the all-gather of the vocab-sharded logits, b*s*V*dtype. `norm_grad_bytes`: the
+    sequence-parallel norms' weight grads are partial sums over tokens, all-reduced once per
+    step ((2L+1)*h*grad bytes for a whole model).
     """
     count = 4 + (2 if recompute == "full" else 0)
-    return all_reduce(batch * seq * hidden * dtype_bytes, tp).scaled(count * layers, "tp")
+    comm = all_reduce(batch * seq * hidden * dtype_bytes, tp).scaled(count * layers, "tp")
+    if vocab:
+        ends = all_reduce(batch * seq * hidden * dtype_bytes, tp).scaled(2)
+        logits = all_gather(batch * seq * vocab * dtype_bytes, tp)
+        comm = Comm("tp", comm.nbytes + ends.nbytes + logits.nbytes,
+                    comm.steps + ends.steps + logits.steps)
+    if norm_grad_bytes:
+        norms = all_reduce(norm_grad_bytes, tp)
+        comm = Comm("tp", comm.nbytes + norms.nbytes, comm.steps + norms.steps)
+    return comm
 
 
-def dp_comm(grad_bytes: float, n: int, zero: int, microbatches: int = 1) -> Comm:
-    """Gradient sync of the rank's (model-parallel-sharded) gradient bytes G over N ranks.
+def dp_comm(grad_bytes: float, n: int, zero: int, microbatches: int = 1,
+            per_micro_batch: bool = True) -> Comm:
+    """Gradient sync of the rank's (model-parallel-sharded) gradient bytes G over N ranks,
+    as data_parallel.py runs it.
 
-    DDP, ZeRO-1: one ring all-reduce (or reduce-scatter + all-gather), 2(N-1)/N*G per step.
-    ZeRO-2: reduce-scatter per micro-batch + param all-gather: (m+1)(N-1)/N*G.
-    ZeRO-3: param all-gather forward and backward per micro-batch + reduce-scatter:
-    (2m+1)(N-1)/N*G, i.e. 1.5x DDP at m=1. Steps count one bucketed collective each.
+    DDP: one ring all-reduce; ZeRO-1: reduce-scatter + all-gather of the updated chunks; both
+    2(N-1)/N*G per step. ZeRO-2: reduce-scatter per micro-batch + param all-gather:
+    (m+1)(N-1)/N*G; under a pipeline schedule (`per_micro_batch=False`) backward runs outside
+    the engine's micro-batch loop and ZeRO-2 reduces once, like ZeRO-1. ZeRO-3: param
+    all-gather forward and backward per micro-batch (embedding, norm and head resharded like
+    the blocks) + one reduce-scatter: (2m+1)(N-1)/N*G, 1.5x DDP at m=1. Steps count one
+    bucketed collective each.
     """
     if zero not in ZERO_NAMES:
         raise ValueError(f"zero: {zero!r} must be 0, 1, 2 or 3")
-    calls = {0: 2, 1: 2, 2: microbatches + 1, 3: 2 * microbatches + 1}[zero]
+    zero2 = microbatches + 1 if per_micro_batch else 2
+    calls = {0: 2, 1: 2, 2: zero2, 3: 2 * microbatches + 1}[zero]
     return all_gather(grad_bytes, n).scaled(calls, "dp")
 
 
@@ -292,12 +314,14 @@ def ep_comm(batch: int, seq: int, hidden: int, top_k: int, ep: int, moe_layers: 
 
 
 def cp_comm(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, layers: int,
-            dtype_bytes: float = 2) -> Comm:
+            dtype_bytes: float = 2, microbatches: int = 1) -> Comm:
     """Ring attention: the local K and V block, 2*b*(s/cp)*n_kv*hd*dtype, makes cp-1 hops
     forward; backward passes K/V again plus dK/dV, so 3(cp-1) block sends per layer in all.
-    `kv_heads` is per rank (n_kv_heads / tp)."""
+    `kv_heads` is per rank (n_kv_heads / tp). The ring runs once per micro-batch: the bytes
+    (b = the rank's whole batch per step) do not depend on m, the latency steps scale with it."""
+    _positive(microbatches=microbatches)
     block = 2 * batch * (seq / cp) * kv_heads * head_dim * dtype_bytes
-    return Comm("cp", 3 * (cp - 1) * block * layers, 3 * (cp - 1) * layers)
+    return Comm("cp", 3 * (cp - 1) * block * layers, 3 * (cp - 1) * layers * microbatches)
 
 
 # ---- compute and topology ----------------------------------------------------------------
@@ -333,63 +357,3 @@ def crossing_dims(pp: int, dp: int, cp: int, tp: int, ep: int, gpus_per_node: in
 
     return {"tp": crosses(1, tp), "cp": crosses(tp, cp), "dp": crosses(tp * cp, dp),
             "pp": crosses(tp * cp * dp, pp), "ep": crosses(tp, ep)}
-
-
-# ---- pipeline bubble -----------------------------------------------------------------------
-BUBBLE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved 1F1B",
-                 "zero_bubble": "ZB1P", "dualpipe": "DualPipe"}
-
-
-@dataclass(frozen=True)
-class Bubble:
-    schedule: str
-    bubble: float
-    fraction: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schedule": self.schedule, "label": BUBBLE_LABELS[self.schedule],
-                "bubble": self.bubble, "fraction": self.fraction}
-
-
-def bubble_time(schedule: str, pp: int, F: float = 1.0, B: float = 2.0, W: float = 0.5,
-                FB: float = 2.0, virtual: int = 1) -> float:
-    """Idle time per step (DeepSeek-V3 Table 2); B is the whole backward, W its weight part.
-
-    GPipe, 1F1B: (p-1)(F+B); interleaved 1F1B: (p-1)(F+B)/v; ZB1P: (p-1)(F+B-2W);
-    DualPipe: (p/2-1)(F&B+B-3W), F&B = one overlapped forward+backward chunk (needs even p).
-    Negative values (W too large for the formula) are clamped to 0.
-    """
-    _positive(pp=pp, F=F, B=B, FB=FB, virtual=virtual)
-    if not 0 <= W <= B:
-        raise ValueError(f"W: {W!r} must lie in [0, B={B}] (it is part of the backward)")
-    if schedule in ("gpipe", "1f1b"):
-        out = (pp - 1) * (F + B)
-    elif schedule == "interleaved_1f1b":
-        out = (pp - 1) * (F + B) / virtual
-    elif schedule == "zero_bubble":
-        out = (pp - 1) * (F + B - 2 * W)
-    elif schedule == "dualpipe":
-        if pp % 2:
-            raise ValueError(f"dualpipe needs an even pp, got {pp}")
-        out = (pp / 2 - 1) * (FB + B - 3 * W)
-    else:
-        raise ValueError(f"schedule: {schedule!r} must be one of {tuple(BUBBLE_LABELS)}")
-    return max(0.0, out)
-
-
-def bubble_fraction(bubble: float, microbatches: int, F: float = 1.0, B: float = 2.0) -> float:
-    """bubble / (m(F+B) + bubble): the share of a step the stage sits idle."""
-    _positive(microbatches=microbatches)
-    return bubble / (microbatches * (F + B) + bubble)
-
-
-def bubble_table(pp: int, microbatches: int, virtual: int = 1, F: float = 1.0, B: float = 2.0,
-                 W: float = 0.5, FB: float = 2.0) -> dict[str, Bubble]:
-    """Every schedule for `tenax plan bubble`; DualPipe only when pp is even."""
-    out = {}
-    for schedule in BUBBLE_LABELS:
-        if schedule == "dualpipe" and pp % 2:
-            continue
-        t = bubble_time(schedule, pp, F, B, W, FB, virtual)
-        out[schedule] = Bubble(schedule, t, bubble_fraction(t, microbatches, F, B))
-    return out

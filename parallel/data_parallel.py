@@ -7,12 +7,22 @@ says, on top of TP, with a memory ledger they can check. So:
 - zero 0: every rank keeps full params, grads and optimizer state; grads are averaged with
   bucketed all-reduces launched from post-accumulate-grad hooks during the last micro-batch's
   backward, so communication overlaps the rest of the backward pass.
-- zero 1: as zero 0 for grads, but each rank's optimizer owns one 1/N chunk of every parameter
-  (a *view* into the parameter, so no extra copy of the weights); after the step the chunks are
-  all-gathered back into the full parameters.
-- zero 2: grads are reduce-scattered instead, so a rank keeps only its chunk of every grad (full
-  grads are freed once reduced); optimizer and all-gather as zero 1.
-- zero 3: FSDP2 `fully_shard` per block, then the root.
+- zero 1: each rank's optimizer owns one 1/N chunk of every parameter (a *view* into the
+  parameter, so no extra copy of the weights). Grads accumulate in full (ZeRO-1 does not shard
+  them); during the last micro-batch's backward each bucket is reduce-scattered, and the rank's
+  averaged chunk is written into its own slice of p.grad (the optimizer's shard grad is a view of
+  that slice; the rest of p.grad keeps this rank's unreduced sum and is not meaningful). After
+  the step the chunks are all-gathered back: 2(N-1)/N of the grad bytes per step, like one
+  all-reduce, where all-reduce + all-gather would move 3(N-1)/N.
+- zero 2: every micro-batch's backward reduce-scatters each bucket as soon as its grads are
+  complete and frees the full grads; the rank adds the reduced chunk into a per-bucket
+  accumulator, so between micro-batches it holds only 1/N of the gradient bytes. Costs
+  (m+1)(N-1)/N of the grad bytes for m micro-batches (m reduce-scatters + the all-gather).
+  Pipeline schedules (overlap=False) run backward outside our loop: one reduce-scatter at the end.
+- zero 3: FSDP2 `fully_shard` per block, then the embedding, final norm and head each as their
+  own unit, then the root (which then owns no parameters). FSDP2 keeps the *root's* parameters
+  unsharded from forward to backward; giving embedding/norm/head their own units reshards them
+  after forward like every block, so every parameter is all-gathered twice per micro-batch.
 
 All stages *average* gradients over the dp group; the trainer scales each rank's loss so that the
 average equals the gradient of the global-batch mean loss.
@@ -45,8 +55,9 @@ class _Bucket:
     chunks: list[int]  # per param: ceil(local numel / N), the ZeRO chunk length
     pending: int = 0
     work: dist.Work | None = None
-    buffer: torch.Tensor | None = None
-    shard_grad: torch.Tensor | None = None  # zero 2: this rank's reduced chunk of every grad
+    buffer: torch.Tensor | None = None  # the collective's input, alive until it completes
+    recv: torch.Tensor | None = None  # zero 1/2: the reduce-scatter's output
+    shard_grad: torch.Tensor | None = None  # zero 2: accumulated reduced chunk of every grad
 
     @property
     def chunk_total(self) -> int:
@@ -106,7 +117,9 @@ class DataParallel:
 
     def _make_hook(self, bucket: _Bucket):
         def hook(_: torch.Tensor) -> None:
-            if self._last_micro and self.overlap:
+            # zero 2 reduces every micro-batch (that is what bounds its grads to 1/N); the
+            # others reduce the accumulated grads once, in the last micro-batch.
+            if self.overlap and (self._last_micro or self.zero == 2):
                 bucket.pending -= 1
                 if bucket.pending == 0:
                     self._launch(bucket)
@@ -161,11 +174,24 @@ class DataParallel:
 
     # ---- per step --------------------------------------------------------------------------
     def begin_micro_batch(self, last: bool) -> None:
-        """Reductions launch only during the last micro-batch's backward (accumulate before)."""
+        """zero 0/1 reduce during the last micro-batch's backward only (accumulate before);
+        zero 2 first settles the previous micro-batch's reductions, so that between
+        micro-batches a rank holds only its accumulated chunks."""
         self._last_micro = last
-        if last or not self.overlap:
+        if self.zero == 2 and self.overlap:
+            for bucket in self.buckets:
+                if self._has_grads(bucket):  # a bucket some param left incomplete
+                    self._launch(bucket)
+            for bucket in self.buckets:
+                self._settle(bucket)
+                bucket.pending = len(bucket.params)
+        elif last or not self.overlap:
             for bucket in self.buckets:
                 bucket.pending, bucket.work, bucket.buffer = len(bucket.params), None, None
+
+    @staticmethod
+    def _has_grads(bucket: _Bucket) -> bool:
+        return any(p.grad is not None for p in bucket.params)
 
     def _local_grad(self, p: nn.Parameter) -> torch.Tensor:
         if p.grad is None:
@@ -187,30 +213,52 @@ class DataParallel:
         return torch.cat(cols, dim=1)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.zero == 2:
-            rows = self._padded_rows(bucket).div_(self.divisor)
-            bucket.shard_grad = torch.empty(bucket.chunk_total, dtype=rows.dtype, device=rows.device)
-            bucket.buffer = rows
-            bucket.work = dist.reduce_scatter_single(bucket.shard_grad, rows.view(-1), group=self.group,
-                                                     async_op=True)
-        else:
+        if self.zero == 0:
             bucket.buffer = self._flat_grads(bucket).div_(self.divisor)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            return
+        self._settle(bucket)
+        rows = self._padded_rows(bucket).div_(self.divisor)
+        if self.zero == 2:  # the padded copy is all the collective needs: drop the full grads
+            for p in bucket.params:
+                p.grad = None
+        bucket.recv = torch.empty(bucket.chunk_total, dtype=rows.dtype, device=rows.device)
+        bucket.buffer = rows
+        bucket.work = dist.reduce_scatter_single(bucket.recv, rows.view(-1), group=self.group,
+                                                 async_op=True)
+
+    def _settle(self, bucket: _Bucket) -> None:
+        """zero 2: wait for the bucket's reduce-scatter and add it into the accumulator."""
+        if self.zero != 2 or bucket.work is None:
+            return
+        bucket.work.wait()
+        if bucket.shard_grad is None:
+            bucket.shard_grad = bucket.recv
+        else:
+            bucket.shard_grad.add_(bucket.recv)
+        bucket.work, bucket.recv, bucket.buffer = None, None, None
+
+    def _needs_launch(self, bucket: _Bucket) -> bool:
+        if self.zero == 2:  # grads left since the last reduce-scatter (or never reduced)
+            return self._has_grads(bucket)
+        return bucket.work is None  # not launched by the hooks (no overlap, or a missing grad)
 
     def finish_grads(self) -> None:
         """Wait for every bucket's reduction and put the averaged grads in place."""
         for bucket in self.buckets:
-            if bucket.work is None and not self.overlap:
+            if self._needs_launch(bucket):
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.work is None:  # some param got no grad: launch what is left now
-                self._launch(bucket)
-            bucket.work.wait()
             if self.zero == 2:
+                self._settle(bucket)
                 self._scatter_shard_grads(bucket)
+                continue
+            bucket.work.wait()
+            if self.zero == 1:
+                self._write_owned_chunks(bucket)
             else:
                 self._copy_back(bucket)
-            bucket.buffer, bucket.work = None, None
+            bucket.buffer, bucket.work, bucket.recv = None, None, None
         self._last_micro = False
 
     def _copy_back(self, bucket: _Bucket) -> None:
@@ -223,18 +271,26 @@ class DataParallel:
             else:
                 local(p.grad).copy_(reduced)
             offset += n
-        if self.zero == 1:
-            self._point_shard_grads()
 
-    def _point_shard_grads(self) -> None:
+    def _write_owned_chunks(self, bucket: _Bucket) -> None:
+        """zero 1: the reduced chunk goes into this rank's own slice of p.grad (the optimizer's
+        shard grad is a view of it), so grads keep ZeRO-1's full size and no second buffer."""
         by_param = dict(self._shards)
-        for bucket in self.buckets:
-            for p, chunk in zip(bucket.params, bucket.chunks):
-                if p in by_param:
-                    start, end = self._chunk_range(local(p).numel(), chunk)
-                    by_param[p].grad = local(p.grad).view(-1)[start:end]
+        offset = 0
+        for p, chunk in zip(bucket.params, bucket.chunks):
+            if p.grad is None:
+                p.grad = _like_param(p, torch.zeros_like(local(p)))
+            start, end = self._chunk_range(local(p).numel(), chunk)
+            owned = local(p.grad).view(-1)[start:end]
+            owned.copy_(bucket.recv[offset:offset + end - start])
+            if p in by_param:
+                by_param[p].grad = owned
+            offset += chunk
 
     def _scatter_shard_grads(self, bucket: _Bucket) -> None:
+        if bucket.shard_grad is None:  # no param of the bucket got a grad this step
+            bucket.shard_grad = torch.zeros(bucket.chunk_total, dtype=local(bucket.params[0]).dtype,
+                                            device=local(bucket.params[0]).device)
         by_param = dict(self._shards)
         offset = 0
         for p, chunk in zip(bucket.params, bucket.chunks):
@@ -271,14 +327,24 @@ class DataParallel:
             p.grad = None
         for _, shard in self._shards:
             shard.grad = None
+        for bucket in self.buckets:
+            bucket.shard_grad = bucket.recv = bucket.buffer = bucket.work = None
+
+    def held_grad_bytes(self) -> int:
+        """Gradient bytes this rank holds now: full local grads plus zero 2's accumulators
+        (zero 1's shard grads are views into p.grad and count once)."""
+        total = sum(local(p.grad).numel() * local(p.grad).element_size()
+                    for p in self.params if p.grad is not None)
+        return total + sum(b.shard_grad.numel() * b.shard_grad.element_size()
+                           for b in self.buckets if b.shard_grad is not None)
 
     def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(param, grad piece) whose squares this rank contributes to the global grad norm.
 
-        zero 0/1: every rank holds the full reduced grads, so dp rank 0 alone contributes;
-        zero 2: each rank contributes its own chunk.
+        zero 0: every rank holds the full reduced grads, so dp rank 0 alone contributes;
+        zero 1/2: each rank contributes its own (reduced) chunk.
         """
-        if self.zero == 2:
+        if self.zero >= 1:
             return [(p, s.grad) for p, s in self._shards if s.grad is not None]
         if self.rank != 0:
             return []
@@ -305,17 +371,28 @@ def _like_param(p: nn.Parameter, local_grad: torch.Tensor) -> torch.Tensor:
     return local_grad
 
 
+ROOT_UNITS = ("tok_embeddings", "norm", "output")
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, block_names: str = "layers") -> nn.Module:
-    """ZeRO-3: shard each transformer block, then the root (embedding, norm, head).
+    """ZeRO-3: shard each transformer block, the embedding, final norm and head, then the root.
 
     `dp_mesh` spans dp*cp ranks: context-parallel ranks hold the same weights, so they shard
-    them like data-parallel ranks do.
+    them like data-parallel ranks do. The embedding, norm and head get units of their own
+    because FSDP2 never reshards the root's own parameters between forward and backward; as
+    separate units they are resharded after forward like the blocks, so ZeRO-3 holds 1/N of
+    every parameter outside the layer being computed and moves exactly (2m+1)(N-1)/N of the
+    parameter bytes per step (the cost model's figure).
     """
     from torch.distributed.fsdp import fully_shard
 
     blocks = getattr(model, block_names)
     for block in blocks.values():
         fully_shard(block, mesh=dp_mesh)
+    units = [name for name in ROOT_UNITS if getattr(model, name, None) is not None]
+    for name in units:
+        fully_shard(getattr(model, name), mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    logger.info("applied FSDP2 (zero 3) over dp=%d: %d blocks + root", dp_mesh.size(), len(blocks))
+    logger.info("applied FSDP2 (zero 3) over dp=%d: %d blocks + %s as own units + root",
+                dp_mesh.size(), len(blocks), units)
     return model

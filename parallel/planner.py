@@ -23,11 +23,13 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterator, Mapping, Sequence
 
+from parallel.bubble import bubble_fraction, bubble_time
 from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
-                                 bubble_time, cp_comm, crossing_dims, dp_comm, ep_comm, gib,
+                                 cp_comm, crossing_dims, dp_comm, ep_comm, gib,
                                  in_flight_microbatches, layer_activation_bytes,
                                  model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
                                  train_flops_per_token)
+from parallel.estimate import PART_LABELS, Estimate, PlanError, PlanResult, StepTime, why_lost
 from parallel.config import ModelArgs
 from parallel.layout import LayoutError, ParallelLayout
 
@@ -41,82 +43,6 @@ DP_OVERLAP = 0.8            # share of DP comm that can hide behind compute (not
 ZERO_PREFERENCE = (1, 2, 0, 3)
 NEAR_MISS = 1.5             # a faster layout that needs up to 1.5x the budget is worth showing
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
-_PART_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "dp_comm_s": "exposed DP comm",
-                "pp_comm_s": "PP p2p", "ep_comm_s": "EP all-to-all", "cp_comm_s": "CP ring",
-                "bubble_s": "pipeline bubble"}
-
-
-class PlanError(ValueError):
-    """No layout can run this model on these GPUs; the message says what was closest."""
-
-
-@dataclass(frozen=True)
-class StepTime:
-    compute_s: float
-    tp_comm_s: float = 0.0
-    dp_comm_s: float = 0.0
-    pp_comm_s: float = 0.0
-    ep_comm_s: float = 0.0
-    cp_comm_s: float = 0.0
-    bubble_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return sum(vars(self).values())
-
-    def to_dict(self) -> dict[str, float]:
-        return {**vars(self), "total_s": self.total_s}
-
-
-@dataclass(frozen=True)
-class Estimate:
-    layout: ParallelLayout
-    recompute: str
-    microbatches: int
-    memory: MemoryLedger
-    time: StepTime
-    budget_bytes: float
-    tokens_per_step: int
-    reason: str = ""                # why it was chosen, or why it lost to the chosen one
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.budget_bytes
-
-    def key(self) -> tuple[Any, ...]:
-        lay = self.layout
-        return (float(f"{self.time.total_s:.4g}"), lay.pp, lay.tp, lay.cp, lay.ep,
-                ZERO_PREFERENCE.index(lay.zero), -lay.micro_batch_size, lay.pp_virtual_stages)
-
-    def to_dict(self) -> dict[str, Any]:
-        total = self.time.total_s
-        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
-                "recompute": self.recompute, "microbatches": self.microbatches,
-                "fits": self.fits, "memory": self.memory.to_dict(),
-                "step_time": self.time.to_dict(),
-                "bubble_fraction": self.time.bubble_s / total if total else 0.0,
-                "tokens_per_s": self.tokens_per_step / total if total else 0.0,
-                "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    best: Estimate
-    runners_up: list[Estimate]
-    rejected: dict[str, int]        # candidates dropped, by rule
-    considered: int                 # candidates estimated
-    request: dict[str, Any]         # gpus, gpus_per_node, global_batch_size, seq_len, fixed
-
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.best.layout
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.request, "memory_budget_gib": round(gib(self.best.budget_bytes), 3),
-                "layout": self.layout.to_dict(), "recompute": self.best.recompute,
-                "reason": self.best.reason, "estimate": self.best.to_dict(),
-                "runners_up": [r.to_dict() for r in self.runners_up],
-                "rejected": dict(self.rejected), "considered": self.considered}
 
 
 @dataclass(frozen=True)
@@ -136,6 +62,8 @@ class _Ctx:
     active: int = 0
     experts: int = 0
     top_k: int = 1
+    peak_flops: float = 0.0     # dense peak, all GPUs together (MFU's denominator)
+    soft_ok: bool = False       # rules of thumb become warnings (a pinned layout must run)
 
     def choices(self, name: str, free: Sequence[Any]) -> Sequence[Any]:
         return [self.fixed[name]] if name in self.fixed else free
@@ -212,7 +140,7 @@ def _expand(ctx: _Ctx, degrees: tuple[int, ...], schedule: str, v: int, found: l
                 rejected[_template(problems[0])] += 1
                 continue
             m = ctx.gbs // (dp * mbs)
-            if pp > 1 and m < 4 * pp:
+            if pp > 1 and m < 4 * pp and not ctx.soft_ok:
                 rejected["too few micro-batches: m < 4*pp"] += 1
                 break
             if schedule == "interleaved_1f1b" and m % pp:
@@ -251,16 +179,18 @@ def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTi
     compute = flops * ctx.gbs * model.seq_len / ctx.flops_per_s
     b, s_local = ctx.gbs // lay.dp, model.seq_len / lay.cp
     layers, experts = math.ceil(model.n_layers / lay.pp), ctx.experts
-    t = {**dict.fromkeys(_PART_LABELS, 0.0), "compute_s": compute}
-    if lay.tp > 1:
-        comm = tp_comm(b, s_local, model.dim, lay.tp, layers, dt, recompute)
+    t = {**dict.fromkeys(PART_LABELS, 0.0), "compute_s": compute}
+    if lay.tp > 1:  # stage ends charged to every stage: the busiest holds the head
+        comm = tp_comm(b, s_local, model.dim, lay.tp, layers, dt, recompute, model.vocab_size,
+                       (2 * layers + 1) * model.dim * ctx.state.grads)
         t["tp_comm_s"] = comm.time(net.link(cross["tp"]))
     dp_link = net.link(cross["dp"] or cross["cp"])
     dense_grads = (ctx.params - experts) / (lay.tp * lay.pp) * ctx.state.grads
-    raw = dp_comm(dense_grads, lay.dp * lay.cp, lay.zero, m).time(dp_link)
+    per_micro = lay.pp == 1  # pipeline schedules run backward outside the micro-batch loop
+    raw = dp_comm(dense_grads, lay.dp * lay.cp, lay.zero, m, per_micro).time(dp_link)
     if experts:
         expert_grads = experts / (lay.tp * lay.pp * lay.ep) * ctx.state.grads
-        raw += dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m).time(dp_link)
+        raw += dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m, per_micro).time(dp_link)
     t["dp_comm_s"] = raw - min(DP_OVERLAP * raw, compute)
     if lay.pp > 1:
         comm = pp_comm(lay.micro_batch_size, s_local, model.dim, m, dt, lay.tp)
@@ -273,7 +203,7 @@ def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTi
         t["ep_comm_s"] = comm.time(net.link(cross["ep"]))
     if lay.cp > 1:
         comm = cp_comm(b, model.seq_len, model.n_kv_heads // lay.tp, model.head_dim, lay.cp,
-                       layers, dt)
+                       layers, dt, m)
         t["cp_comm_s"] = comm.time(net.link(cross["cp"]))
     return StepTime(**t)
 
@@ -289,23 +219,26 @@ def _estimate(ctx: _Ctx, lay: ParallelLayout, m: int) -> Estimate:
             if candidate.total <= ctx.budget:
                 recompute, memory = level, candidate
                 break
+    model = ctx.model
+    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len)
+    tokens = ctx.gbs * model.seq_len
     return Estimate(lay, recompute, m, memory, _step_time(ctx, lay, m, recompute), ctx.budget,
-                    ctx.gbs * ctx.model.seq_len)
+                    tokens, flops_per_step=flops * tokens, peak_flops=ctx.peak_flops,
+                    warnings=tuple(_soft_warnings(lay, m)))
+
+
+def _soft_warnings(lay: ParallelLayout, m: int) -> list[str]:
+    """Rules of thumb a layout breaks, each with what it costs (they never refuse a layout)."""
+    if lay.pp == 1 or m >= 4 * lay.pp:
+        return []
+    now = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages), m)
+    good = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages),
+                           4 * lay.pp)
+    return [f"pipeline bubble {100 * now:.0f}% with {m} micro-batches; {4 * lay.pp} would give "
+            f"{100 * good:.0f}% (raise train.global_batch_size or lower micro_batch_size)"]
 
 
 # ---- choice and explanation --------------------------------------------------------------------
-def _why_lost(e: Estimate, best: Estimate) -> str:
-    if not e.fits:
-        return f"does not fit: {gib(e.memory.total):.1f} GiB > {gib(e.budget_bytes):.1f} GiB"
-    if e.key()[0] == best.key()[0]:
-        return (f"tie at {best.time.total_s:.4g} s; tie-break prefers smaller pp/tp/cp/ep, "
-                f"then ZeRO-1, 2, 0, 3, then the larger micro-batch")
-    mine, theirs = vars(e.time), vars(best.time)
-    part = max(mine, key=lambda k: mine[k] - theirs[k])  # the cause that grew the most
-    label = _PART_LABELS[part] + (f", recompute={e.recompute}" if part == "compute_s" else "")
-    return f"slower: {e.time.total_s:.4g} s vs {best.time.total_s:.4g} s (more {label})"
-
-
 def _choose(found: list[Estimate]) -> tuple[Estimate, list[Estimate]]:
     per_layout: dict[tuple[ParallelLayout, bool], Estimate] = {}
     for e in sorted(found, key=Estimate.key):  # per set of degrees: best fitting, best not fitting
@@ -316,7 +249,7 @@ def _choose(found: list[Estimate]) -> tuple[Estimate, list[Estimate]]:
     near_misses = [e for e in ranked if not e.fits and e.time.total_s < best.time.total_s
                    and e.memory.total <= NEAR_MISS * e.budget_bytes][:2]
     others = sorted(fitting[1:5] + near_misses, key=Estimate.key)
-    return best, [replace(e, reason=_why_lost(e, best)) for e in others]
+    return best, [replace(e, reason=why_lost(e, best)) for e in others]
 
 
 def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanError:
@@ -324,8 +257,9 @@ def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanEr
             f"parameter model in {gib(ctx.budget):.1f} GiB per GPU")
     why = ("; ".join(f"{k}: {v}" for k, v in rejected.most_common())
            or f"the pinned degrees cannot multiply to {ctx.gpus}")
-    if not found:
-        return PlanError(f"{head}: no valid layout ({why}); fixed: {ctx.fixed}")
+    if not found:  # memory was never the problem: say what was
+        return PlanError(f"no valid layout of {ctx.gpus} GPUs ({ctx.gpn} per node) for a "
+                         f"{ctx.params / 1e9:.3g}B-parameter model: {why}; fixed: {ctx.fixed}")
     small = min(found, key=lambda e: e.memory.total)
     return PlanError(f"{head}: the smallest need found is {gib(small.memory.total):.1f} GiB "
                      f"({small.layout.describe()}, micro_batch {small.layout.micro_batch_size}, "
@@ -337,7 +271,8 @@ def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: fl
                 network: Network = Network(), mfu: float = 0.4,
                 peak_flops: float = H100_BF16_PEAK, margin: float = 0.1,
                 fixed: Mapping[str, Any] | None = None, state: StateBytes = MIXED_ADAMW,
-                dtype_bytes: float = 2, max_micro_batch: int = MAX_MICRO_BATCH) -> PlanResult:
+                dtype_bytes: float = 2, max_micro_batch: int = MAX_MICRO_BATCH,
+                hardware: Mapping[str, Any] | None = None) -> PlanResult:
     """The fastest layout of `gpus` GPUs that fits; `fixed` pins any of FIXABLE ("auto" = free).
     global_batch_size defaults to 4 sequences per GPU (8 -> 32, 512 -> 2048), seq_len to the
     model's. Raises PlanError when nothing fits, naming the smallest memory need found."""
@@ -359,8 +294,12 @@ def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: fl
                gpu_mem_gib * 2 ** 30 * (1 - margin), network, gpus * peak_flops * mfu, state,
                dtype_bytes, max_micro_batch, pinned, model.num_params(),
                model.num_params(active=True), model.expert_params(),
-               model.moe.top_k if model.moe else 1)
+               model.moe.top_k if model.moe else 1, gpus * peak_flops)
     found, rejected = _search(ctx)
+    if not any(e.fits for e in found) and "pp" in pinned:
+        # The user pinned a pipeline: the m >= 4*pp rule of thumb becomes a warning.
+        logger.info("no pinned-pp layout keeps m >= 4*pp; searching again with it as a warning")
+        found, rejected = _search(replace(ctx, soft_ok=True))
     if not any(e.fits for e in found):
         err = _no_fit_error(ctx, found, rejected)
         logger.warning("plan failed: %s", err)
@@ -371,9 +310,12 @@ def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: fl
                    f"{best.recompute} ({sum(e.fits for e in found)} of {len(found)} fit)")
     logger.info("plan for %d GPUs (%d/node): %s %s; %s", gpus, gpus_per_node,
                 best.layout.describe(), best.layout.to_dict(), best.reason)
+    for warning in best.warnings:
+        logger.warning("plan %s runs, but: %s", best.layout.describe(), warning)
     request = {"gpus": gpus, "gpus_per_node": gpus_per_node, "global_batch_size": ctx.gbs,
                "seq_len": ctx.model.seq_len, "fixed": ctx.fixed}
-    return PlanResult(best, runners_up, dict(rejected), len(found), request)
+    return PlanResult(best, runners_up, dict(rejected), len(found), request,
+                      dict(hardware or {}, peak_flops_per_gpu=peak_flops, mfu_assumed=mfu))
 
 
 def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size: int, dtype: str,

@@ -10,9 +10,10 @@ import itertools
 
 import pytest
 
+from parallel.bubble import bubble_fraction, bubble_table, bubble_time
 from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, Comm, Link, MemoryLedger, Network,
                                  all_gather, all_reduce, all_to_all, attention_activation_bytes,
-                                 bubble_fraction, bubble_table, bubble_time, cp_comm,
+                                 cp_comm,
                                  crossing_dims, dp_comm, ep_comm, gib, in_flight_microbatches,
                                  layer_activation_bytes, mlp_activation_bytes, model_state_memory,
                                  pp_comm, reduce_scatter, stage_activation_bytes, tp_comm,

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,9 @@ class Trainer:
         self.pipeline = self._build_pipeline() if layout.pp > 1 else None
         self.last_moe_stats: dict[str, Any] = {}
         self.slow_factor = 1.0  # chaos `slow`: compute takes this many times as long
+        # Called with (micro-batch index, is last) once the engine is ready for that
+        # micro-batch: benches and tests read held memory there without patching the trainer.
+        self.on_micro_batch: Callable[[int, bool], None] | None = None
 
     def _set_positions(self) -> None:
         s, cp = self.spec.model.seq_len, self.layout.cp
@@ -200,6 +203,8 @@ class Trainer:
         start = time.perf_counter()
         for i in range(self.accum):
             self._begin_micro_batch(i == self.accum - 1)
+            if self.on_micro_batch is not None:
+                self.on_micro_batch(i, i == self.accum - 1)
             x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
             with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                 enabled=self.autocast_dtype is not None):
@@ -227,7 +232,7 @@ class Trainer:
         return [(p, local(p.grad)) for p in self.pm.parameters() if p.grad is not None]
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
-        if self.pm.dps and self.layout.zero == 2:
+        if self.pm.dps and self.layout.zero in (1, 2):  # the optimizer steps the shards' grads
             return [g for dp in self.pm.dps for _, g in dp.owned_grads()]
         return [local(p.grad) for p in self.pm.parameters() if p.grad is not None]
 
