@@ -17,7 +17,7 @@ are all the state there is: a run resumed in another layout continues exactly.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,28 +25,32 @@ from torch import nn
 from parallel.data_parallel import DataParallel
 from parallel.model import canonical_param_name
 
-if TYPE_CHECKING:
-    from workers.trainer import Trainer
+
+class TrainerLike(Protocol):
+    """What resharding reads of a `workers.trainer.Trainer`; a protocol, because checkpoint/
+    sits below workers/ and must not import it (imports point one way)."""
+    pm: Any  # parallel.parallelize.ParallelModel: named_parameters(), dps
+    optimizer: torch.optim.Optimizer
 
 logger = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state; SGD (no momentum) has none
 
 
-def model_state(trainer: "Trainer") -> dict[str, torch.Tensor]:
+def model_state(trainer: TrainerLike) -> dict[str, torch.Tensor]:
     """Canonical name -> the parameter itself (DCP saves from it and loads into it in place)."""
     return {canonical_param_name(n): p for n, p in trainer.pm.named_parameters()}
 
 
-def _dp_of(trainer: "Trainer") -> dict[nn.Parameter, DataParallel]:
+def _dp_of(trainer: TrainerLike) -> dict[nn.Parameter, DataParallel]:
     return {p: dp for dp in trainer.pm.dps for p in dp.params}
 
 
-def _has_moments(trainer: "Trainer") -> bool:
+def _has_moments(trainer: TrainerLike) -> bool:
     return isinstance(trainer.optimizer, torch.optim.AdamW)
 
 
-def optimizer_state(trainer: "Trainer", for_load: bool = False) -> dict[str, torch.Tensor]:
+def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:
     """`optim.<name>.<moment>` tensors in parameter shape, plus `optim.step`.
 
     With `for_load`, missing state (no step taken yet) is created as zeros to load into.
@@ -94,7 +98,7 @@ def _as_param_shaped(p: nn.Parameter, full_local: torch.Tensor) -> torch.Tensor:
     return full_local
 
 
-def apply_optimizer_state(trainer: "Trainer", loaded: dict[str, torch.Tensor]) -> None:
+def apply_optimizer_state(trainer: TrainerLike, loaded: dict[str, torch.Tensor]) -> None:
     """Install moments loaded (in parameter shape) into the optimizer of this layout."""
     if not _has_moments(trainer):
         return
@@ -115,13 +119,13 @@ def apply_optimizer_state(trainer: "Trainer", loaded: dict[str, torch.Tensor]) -
                 m: dp.chunk_view(p, local(loaded[f"{key}.{m}"])).clone() for m in MOMENTS}}
 
 
-def training_state(trainer: "Trainer", for_load: bool = False) -> dict[str, torch.Tensor]:
+def training_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:
     """Everything DCP saves or loads for one rank: model + optimizer, layout-free keys."""
     return {**{f"model.{k}": v for k, v in model_state(trainer).items()},
             **optimizer_state(trainer, for_load)}
 
 
-def apply_training_state(trainer: "Trainer", loaded: dict[str, torch.Tensor]) -> None:
+def apply_training_state(trainer: TrainerLike, loaded: dict[str, torch.Tensor]) -> None:
     """After DCP loaded into `training_state(trainer, for_load=True)`: finish the install.
 
     Parameters were loaded in place already; optimizer moments need installing (and slicing to
