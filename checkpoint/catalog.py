@@ -16,30 +16,21 @@ import json
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Collection, Mapping, NamedTuple
 
+from checkpoint.manifest import (FORMAT_VERSION, CatalogError, CatalogUnreachableError,
+                                 FileEntry, Manifest, ManifestError, VersionHealth)
+from checkpoint.retention import retention_plan
 from checkpoint.storage import (DEFAULT_CHECKSUM, Storage, StorageError, StorageNotFoundError,
                                 validate_relpath)
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_STEP = 99_999_999  # the pinned name has exactly 8 digits
 _VERSION_RE = re.compile(r"^step-(\d{8})$")
-
-
-class CatalogError(Exception):
-    """A checkpoint version cannot be begun, committed or read; the message names the URI."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
-class ManifestError(CatalogError):
-    """A manifest is unreadable, malformed or of an unknown format version."""
 
 
 def version_name(step: int) -> str:
@@ -70,83 +61,6 @@ def spec_hash(model_spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    size: int
-    checksum: str  # '<algorithm>:<hex>', e.g. 'crc32c:1a2b3c4d'
-
-
-def _need_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ManifestError(f"manifest field {name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclass
-class Manifest:
-    """The commit marker of one version; everything a resume needs besides the tensors."""
-
-    step: int
-    layout: dict[str, Any]
-    world_size: int
-    model_hash: str
-    data_cursor: int  # global samples consumed
-    seed: int
-    lr_step: int  # scheduler position
-    files: dict[str, FileEntry]
-    blocked_s: float = 0.0
-    total_s: float = 0.0
-    created_at: str = ""
-    format_version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("step", 0), ("world_size", 1), ("data_cursor", 0),
-                              ("lr_step", 0), ("format_version", 1)):
-            _need_int(name, getattr(self, name), minimum)
-        _need_int("seed", self.seed, -(1 << 63))
-        if self.format_version > FORMAT_VERSION:
-            raise ManifestError(f"manifest format_version {self.format_version} is newer than "
-                                f"this Tenax understands ({FORMAT_VERSION})")
-        if not isinstance(self.layout, dict) or not isinstance(self.extra, dict):
-            raise ManifestError("manifest fields layout and extra must be JSON objects")
-        if not isinstance(self.model_hash, str):
-            raise ManifestError(f"manifest model_hash must be a str, got {self.model_hash!r}")
-        for rel in self.files:
-            try:  # entries come from storage and drive reads: confine them to the root
-                validate_relpath(rel)
-            except StorageError as exc:
-                raise ManifestError(f"manifest file entry rejected: {exc}") from exc
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ManifestError(f"manifest must be a JSON object, got {type(raw).__name__}")
-        known = {f.name for f in fields(cls)}
-        missing = sorted(n for n in known - raw.keys()
-                         if n not in ("blocked_s", "total_s", "created_at", "extra"))
-        if missing:
-            raise ManifestError(f"manifest lacks fields {missing}")
-        # unknown keys are ignored so a newer writer of the same format_version stays readable
-        args = {k: v for k, v in raw.items() if k in known}
-        try:
-            args["files"] = {rel: FileEntry(int(e["size"]), str(e["checksum"]))
-                             for rel, e in dict(args["files"]).items()}
-            return cls(**args)
-        except (TypeError, ValueError, KeyError) as exc:  # ManifestError passes through
-            raise ManifestError(f"manifest is malformed: {type(exc).__name__}: {exc}") from exc
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.size for e in self.files.values())
-
-
 class VersionInfo(NamedTuple):
     step: int
     committed: bool
@@ -160,33 +74,6 @@ class Deletion:
     reason: str
 
 
-def retention_plan(committed: Collection[int], uncommitted: Collection[int], keep_last: int,
-                   keep_every: int, in_progress: Collection[int] = (),
-                   protect: Collection[int] = ()) -> dict[int, str]:
-    """Pure retention decision: {step to delete: reason}.
-
-    Keeps the newest `keep_last` committed versions, every committed step divisible by
-    `keep_every` (when > 0), the steps in `protect`, and always the newest committed version.
-    Deletes every uncommitted version that is not being written (`in_progress`).
-    """
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 0:
-        raise ValueError(f"keep_every must be an int >= 0 (0 = off), got {keep_every!r}")
-    ordered = sorted(set(committed))
-    keep = set(ordered[-keep_last:]) | (set(protect) & set(ordered))
-    if keep_every > 0:
-        keep |= {s for s in ordered if s % keep_every == 0}
-    plan = {s: f"committed, older than the last {keep_last}"
-            + (f" and not a multiple of keep_every={keep_every}" if keep_every else "")
-            for s in ordered if s not in keep}
-    busy = set(in_progress)
-    for s in sorted(set(uncommitted) - set(ordered)):
-        if s not in busy and s not in protect:
-            plan[s] = "uncommitted leftover (no manifest.json)"
-    return plan
-
-
 class Catalog:
     """Versions of one job's checkpoints on a `Storage` root.
 
@@ -195,10 +82,12 @@ class Catalog:
     """
 
     def __init__(self, storage: Storage, *, checksum: str = DEFAULT_CHECKSUM,
-                 workers: int = 4) -> None:
+                 workers: int = 4, read_attempts: int = 4, backoff_s: float = 0.25) -> None:
         self.storage = storage
         self.checksum = checksum
         self.workers = workers
+        self.read_attempts = max(1, read_attempts)  # reads of a version before "unreachable"
+        self.backoff_s = backoff_s
 
     def _manifest_rel(self, step: int) -> str:
         return f"{version_name(step)}/{MANIFEST_NAME}"
@@ -298,14 +187,15 @@ class Catalog:
         return [v.step for v in self.versions() if v.committed]
 
     def manifest(self, step: int) -> Manifest:
-        """The manifest of committed `step`; CatalogError if not committed or unreadable."""
+        """The manifest of committed `step`; CatalogError if not committed or unreadable
+        (CatalogUnreachableError when storage failed, ManifestError when it is malformed)."""
         url = self.storage.url(self._manifest_rel(step))
         try:
             raw = self.storage.read_bytes(self._manifest_rel(step))
         except StorageNotFoundError as exc:
             raise CatalogError(f"step {step} is not committed: {url} does not exist") from exc
         except StorageError as exc:
-            raise CatalogError(f"cannot read {url}: {exc}") from exc
+            raise CatalogUnreachableError(f"cannot read {url}: {exc}") from exc
         try:
             manifest = Manifest.from_json(raw)
         except ManifestError as exc:  # say which file: the bare parse error does not know
@@ -316,23 +206,29 @@ class Catalog:
 
     def verify(self, step: int) -> list[str]:
         """Problems of committed `step`, re-reading every file; [] means intact."""
+        return self.check(step).problems
+
+    def check(self, step: int) -> VersionHealth:
+        """Re-read every file of committed `step`, telling damage from unreachable storage."""
         try:
             manifest = self.manifest(step)
+        except CatalogUnreachableError as exc:
+            return VersionHealth(unreachable=(str(exc),))
         except CatalogError as exc:
-            return [str(exc)]
+            return VersionHealth(damaged=(str(exc),))
         name = version_name(step)
         try:
             listed = self.storage.list_files(name)
         except StorageError as exc:
-            return [f"cannot list {self.storage.url(name)}: {exc}"]
-        problems, to_check = [], {}
+            return VersionHealth(unreachable=(f"cannot list {self.storage.url(name)}: {exc}",))
+        damaged, unreachable, to_check = [], [], {}
         for rel, entry in sorted(manifest.files.items()):
             url = self.storage.url(f"{name}/{rel}")
             if rel not in listed:
-                problems.append(f"missing file {url}")
+                damaged.append(f"missing file {url}")
             elif listed[rel] != entry.size:
-                problems.append(f"size mismatch {url}: {listed[rel]} bytes, "
-                                f"manifest says {entry.size}")
+                damaged.append(f"size mismatch {url}: {listed[rel]} bytes, "
+                               f"manifest says {entry.size}")
             else:
                 to_check[f"{name}/{rel}"] = entry
         by_algorithm: dict[str, list[str]] = {}
@@ -343,27 +239,53 @@ class Catalog:
             results.update(self.storage.checksum_many(rels, algorithm, self.workers))
         for abs_rel, entry in to_check.items():
             res, url = results[abs_rel], self.storage.url(abs_rel)
-            if isinstance(res, StorageError):
-                problems.append(f"unreadable file {url}: {res}")
+            if isinstance(res, StorageNotFoundError):
+                damaged.append(f"missing file {url}")
+            elif isinstance(res, StorageError):
+                unreachable.append(f"unreadable file {url}: {res}")
             elif res != (entry.size, entry.checksum):
-                problems.append(f"checksum mismatch {url}: {res[1]} ({res[0]} bytes), "
-                                f"manifest says {entry.checksum} ({entry.size} bytes)")
-        return problems
+                damaged.append(f"checksum mismatch {url}: {res[1]} ({res[0]} bytes), "
+                               f"manifest says {entry.checksum} ({entry.size} bytes)")
+        return VersionHealth(tuple(damaged), tuple(unreachable))
+
+    def _check_patiently(self, step: int) -> VersionHealth:
+        """`check`, retried with backoff while storage is unreachable (transient errors)."""
+        delay = self.backoff_s
+        for attempt in range(1, self.read_attempts + 1):
+            health = self.check(step)
+            if not health.unreachable or health.damaged or attempt == self.read_attempts:
+                return health
+            logger.warning("checkpoint step %d unreachable (attempt %d of %d, retrying in "
+                           "%.2fs): %s", step, attempt, self.read_attempts, delay,
+                           "; ".join(health.unreachable))
+            time.sleep(delay)  # backoff between storage retries, not a test wait
+            delay *= 2
+        return health
 
     def latest_committed(self, verify: bool = True) -> Manifest | None:
-        """Newest committed version whose manifest reads (and files verify); None if none."""
+        """Newest committed version whose manifest reads (and files verify); None if none.
+
+        Only damage (bad bytes, missing files, a malformed manifest) skips a version. A version
+        that stays unreachable after retries raises CatalogUnreachableError: falling back past
+        it would resume older work and let the next save replace a version that may be fine.
+        """
         for step in reversed(self.committed_steps()):
+            health = self._check_patiently(step) if verify else VersionHealth()
+            if health.unreachable and not health.damaged:
+                raise CatalogUnreachableError(
+                    f"checkpoint step {step} at {self.storage.url(version_name(step))} stayed "
+                    f"unreadable after {self.read_attempts} attempts: "
+                    f"{'; '.join(health.unreachable)}; not falling back to an older version")
+            if health.damaged:
+                logger.warning("skipping damaged checkpoint step %d at %s: %s", step,
+                               self.storage.url(version_name(step)), "; ".join(health.damaged))
+                continue
             try:
-                manifest = self.manifest(step)
+                return self.manifest(step)
+            except CatalogUnreachableError:
+                raise
             except CatalogError as exc:
                 logger.warning("skipping checkpoint step %d: %s", step, exc)
-                continue
-            problems = self.verify(step) if verify else []
-            if problems:
-                logger.warning("skipping damaged checkpoint step %d at %s: %s", step,
-                               self.storage.url(version_name(step)), "; ".join(problems))
-                continue
-            return manifest
         return None
 
     # ---- deleting ------------------------------------------------------------------------
@@ -374,19 +296,20 @@ class Catalog:
 
     def apply_retention(self, keep_last: int, keep_every: int = 0, *,
                         in_progress: Collection[int] = (),
-                        protect: Collection[int] = ()) -> list[Deletion]:
+                        protect: Collection[int] = (), head: int | None = None) -> list[Deletion]:
         """Delete what `retention_plan` says; return what was deleted, logging each reason.
 
         `in_progress`: steps being written now (their uncommitted dirs are spared).
         `protect`: steps never to delete, e.g. the one the job resumed from — the newest
         committed version may be damaged, and retention does not re-read checksums.
+        `head`: the step just committed (see retention.py for why it matters).
         A failed deletion is logged and retried at the next call, never raised: retention runs
         after saves, and a failed save chore must not stop training.
         """
         versions = self.versions()
         committed = {v.step for v in versions if v.committed}
         plan = retention_plan(committed, {v.step for v in versions if not v.committed},
-                              keep_last, keep_every, in_progress, protect)
+                              keep_last, keep_every, in_progress, protect, head)
         done = []
         for step, reason in sorted(plan.items()):
             url = self.storage.url(version_name(step))

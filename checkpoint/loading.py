@@ -42,13 +42,33 @@ def choose_version(catalog: Catalog, rank: int, world: int) -> Manifest | None:
     if rank == 0:
         try:
             payload[0] = catalog.latest_committed(verify=True)
+            if payload[0] is None:
+                payload[0] = _none_usable(catalog)
         except (StorageError, CatalogError) as exc:
-            payload[0] = f"cannot list {catalog.storage.uri}: {type(exc).__name__}: {exc}"
+            payload[0] = f"cannot read {catalog.storage.uri}: {type(exc).__name__}: {exc}"
     if dist_on() and world > 1:
         dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], str):
         raise CheckpointError(payload[0])
     return payload[0]
+
+
+def _none_usable(catalog: Catalog) -> str | None:
+    """None when nothing is committed (a fresh start); else why the job must not start over.
+
+    Why refuse: committed versions that all fail verification mean the job's work is on
+    storage but damaged; starting from step 0 would silently discard it (and the next saves
+    would bury it). The operator decides: repair, or point checkpoint.uri somewhere new.
+    """
+    steps = catalog.committed_steps()
+    if not steps:
+        return None
+    logger.error("every committed checkpoint under %s is damaged (steps %s); refusing to start "
+                 "over from step 0", catalog.storage.uri, steps)
+    return (f"no usable checkpoint under {catalog.storage.uri}: committed steps {steps} all "
+            f"failed verification (run `tenax ckpt verify {catalog.storage.uri}` for details); "
+            f"refusing to silently start from step 0 - repair them, or set checkpoint.uri to a "
+            f"new location to start over")
 
 
 def check_manifest(manifest: Manifest, url: str, model_hash: str, seed: int) -> None:

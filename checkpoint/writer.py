@@ -273,7 +273,8 @@ def _commit(job: SaveJob) -> dict[str, Any]:
         extra={**info.extra, "writer": job.mode}, expected_files=files)
     blocked_s = manifest.total_s if sync else blocked
     try:
-        catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect)
+        catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect,
+                                head=job.step)
     except Exception as exc:  # retention is a chore; its failure is logged, never fatal
         logger.error("retention after step %d failed: %s", job.step, exc)
     return {"event": "checkpoint", "step": job.step, "blocked_s": round(blocked_s, 6),
