@@ -1,6 +1,6 @@
 """Checkpoint save/load benchmark: every writer side by side in one run, on 2 gloo ranks.
 
-    python bench/checkpoint_bench.py [--quick] [--out PATH] [--reps N] [--writers a,b,...]
+    python -m bench.checkpoint_bench [--quick] [--out PATH] [--reps N] [--writers a,b,...]
 
 Why side by side: on a CPU-bound host the cost of a save is not its blocked time alone but the
 training time it loses = blocked time + the extra time of the steps that run while the write is
@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import statistics
 import sys
@@ -28,7 +27,6 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,10 @@ need the same plumbing to do so honestly — a private Ray on 127.0.0.1 that is 
 down, a controller run whose events carry the wall time they were seen, waits on conditions
 with deadlines instead of sleeps, and one table/JSON format so results can be compared.
 
-`bench_env()` must run before the first `import ray` (see orchestrator/loopback.py).
+`bench_env()` must run before the first `import ray` (see orchestrator/loopback.py). Run the
+benches from the repo root as `python -m bench.<name>`: the repo root is then importable, so
+the small job spec comes from the one module tests use too (`tests.ray_helpers`), with no
+sys.path edits.
 """
 from __future__ import annotations
 
@@ -16,21 +19,18 @@ import json
 import logging
 import os
 import platform
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# A small job every bench can afford on 2 shared cores: the same job the Ray tests run.
+# make_spec (SMALL + extra overrides, checkpoints under a fresh directory) is re-exported to
+# the bench scripts.
+from tests.ray_helpers import SMALL, make_spec
 
 logger = logging.getLogger(__name__)
-
-# A small job every bench can afford on 2 shared cores: the same job the Ray tests run.
-from tests.ray_helpers import SMALL  # noqa: E402  (needs ROOT on sys.path)
 
 
 def bench_env() -> None:
@@ -54,14 +54,6 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args
-
-
-def make_spec(root: str, extra: list[str], name: str) -> Any:
-    """SMALL + `extra`, checkpointing to a fresh directory under `root`."""
-    from orchestrator.spec import load_spec
-
-    uri = f"file://{root}/{name}-{time.monotonic_ns()}"
-    return load_spec(overrides=SMALL + [f"checkpoint.uri={uri}", f"name={name}"] + extra)
 
 
 # ---- Ray ---------------------------------------------------------------------------------------

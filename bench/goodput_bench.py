@@ -1,6 +1,6 @@
 """Goodput under faults: a run with a rank killed every 50 steps vs the same run without faults.
 
-    python bench/goodput_bench.py [--quick] [--json PATH]
+    python -m bench.goodput_bench [--quick] [--json PATH]
 
 Why compare to a fault-free run of the same job in the same invocation: what a user wants to
 know is what fraction of the fault-free rate survives a given fault rate, and on a shared host
@@ -20,13 +20,11 @@ checkpoints every 10 steps (at most 9 steps lost per fault). The final losses mu
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, ratio  # noqa: E402
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, ratio
 
 logger = logging.getLogger(__name__)
 

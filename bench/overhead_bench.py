@@ -1,6 +1,6 @@
 """Orchestration overhead: tokens/s under the Ray controller ÷ tokens/s of the bare launcher.
 
-    python bench/overhead_bench.py [--quick] [--json PATH]
+    python -m bench.overhead_bench [--quick] [--json PATH]
 
 Why this comparison. Both sides run the same per-rank code (`workers.launch.run_rank`), the same
 model, layout (pinned dp2 zero1 on 2 ranks), data and checkpoint settings, for the same number
@@ -33,8 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args  # noqa: E402
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args
 
 logger = logging.getLogger(__name__)
 

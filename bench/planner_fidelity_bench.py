@@ -1,6 +1,6 @@
 """Planner fidelity: the cost model's predicted bytes ÷ what a real step moves and holds.
 
-    python bench/planner_fidelity_bench.py [--quick] [--json PATH]
+    python -m bench.planner_fidelity_bench [--quick] [--json PATH]
 
 Why: the planner ranks layouts with closed-form comm and memory formulas (parallel/cost_model.py);
 if a formula is off for one parallelism, the planner picks the wrong layout after every
@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing as mp
-import os
 import queue as queue_mod
 import statistics
 import sys
@@ -31,8 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Report, parse_args, ratio  # noqa: E402
+from bench.common import Report, parse_args, ratio
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +90,7 @@ def _group_size(func: Any, args: tuple, kwargs: dict | None) -> int:
 
 
 def _detailed_counter() -> Any:
-    from parallel.comm_counter import _CANONICAL, _IGNORED, _NAMESPACES, CommCounter
+    from parallel.comm_counter import CommCounter, collective_kind
 
     @dataclass
     class DetailedCounter(CommCounter):
@@ -104,10 +102,9 @@ def _detailed_counter() -> Any:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                                kwargs: dict | None = None):
-            name = func._schema.name.split("::")[-1]
-            if func.namespace in _NAMESPACES and name not in _IGNORED:
+            kind = collective_kind(func)
+            if kind is not None:
                 nbytes, dtype = _contributed_bytes(func, args, kwargs)
-                kind = _CANONICAL.get(name, name)
                 key = f"{kind}|{dtype}"
                 self.by_dtype[key] += nbytes
                 self.calls[key] += 1

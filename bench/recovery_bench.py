@@ -1,6 +1,6 @@
 """Recovery benchmark: how fast a failure is detected and how fast training resumes.
 
-    python bench/recovery_bench.py [--quick] [--json PATH]
+    python -m bench.recovery_bench [--quick] [--json PATH]
 
 Why these ratios. Detection latency only means something relative to the timeout the user set
 (`fault_tolerance.heartbeat_timeout_s`): a killed rank process should be seen long before it
@@ -24,7 +24,6 @@ The cold start of each case is that case's own job, from controller start to its
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import statistics
 import sys
@@ -32,8 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args,  # noqa: E402
+from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args,
                           ratio, ray_cluster)
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Chaos soak: many random faults in one run, and proof that no committed work was lost.
 
-    python bench/soak.py [--quick] [--json PATH] [--seed N] [--faults N]
+    python -m bench.soak [--quick] [--json PATH] [--seed N] [--faults N]
 
 Why: each recovery path is tested on its own elsewhere; a long job meets them back to back —
 a kill during the restart after a hang, a corrupted newest checkpoint right before a node
@@ -23,7 +23,6 @@ hangs are detected in seconds. The clean run uses the same spec in the same Ray 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import sys
@@ -32,8 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args  # noqa: E402
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args
 
 logger = logging.getLogger(__name__)
 

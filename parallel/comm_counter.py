@@ -33,6 +33,15 @@ _CANONICAL = {
 }
 
 
+def collective_kind(func: Any) -> str | None:
+    """The canonical collective an aten op runs ("all_reduce", ...), None when it is not one
+    that moves data (bookkeeping such as wait_tensor, or not a collective at all)."""
+    name = func._schema.name.split("::")[-1]
+    if func.namespace not in _NAMESPACES or name in _IGNORED:
+        return None
+    return _CANONICAL.get(name, name)
+
+
 def _input_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     """Bytes this rank contributes: the op's input tensor(s).
 
@@ -61,10 +70,8 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
-        namespace = func.namespace
-        name = func._schema.name.split("::")[-1]
-        if namespace in _NAMESPACES and name not in _IGNORED:
-            kind = _CANONICAL.get(name, name)
+        kind = collective_kind(func)
+        if kind is not None:
             self.counts[kind] += 1
             self.bytes[kind] += _input_bytes(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))

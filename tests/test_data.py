@@ -24,7 +24,6 @@ from workers.data import EOS_ID, TokenDataLoader, permute, prepare_token_file
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ, VOCAB, SEED, G = 16, 512, 7, 8
 
 
@@ -131,10 +130,9 @@ def test_epochs_cover_each_sample_once(mem_root: str) -> None:
 
 
 CHILD = """
-import hashlib, sys
-sys.path.insert(0, {repo!r})
-from orchestrator.spec import DataSpec
+import hashlib
 from workers.data import TokenDataLoader
+from workers.spec import DataSpec
 loader = TokenDataLoader(DataSpec(), {seq}, {vocab}, {seed}, {g})
 h = hashlib.sha256()
 for step in (0, 5, 1000):
@@ -152,7 +150,7 @@ def test_order_is_identical_in_another_process() -> None:
         x, y = loader.batch(step, 1, 2)
         h.update(x.numpy().tobytes())
         h.update(y.numpy().tobytes())
-    code = CHILD.format(repo=str(REPO), seq=SEQ, vocab=VOCAB, seed=SEED, g=G)
+    code = CHILD.format(seq=SEQ, vocab=VOCAB, seed=SEED, g=G)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)

@@ -1,0 +1,182 @@
+"""Imports point one way, and nothing reaches into another module's private names.
+
+Layers, top to bottom: orchestrator -> workers -> checkpoint -> parallel. A module may import
+its own layer or any layer below it, never one above (type-only imports under TYPE_CHECKING
+count too: they couple the code just the same). The static scan reads every import statement,
+wherever it sits (function bodies included); the subprocess check imports the lower layers
+with `orchestrator` made unimportable, so an import hidden behind a string would fail as well.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("parallel", "checkpoint", "workers", "orchestrator")  # bottom to top
+PROJECT = set(LAYERS) | {"tenax", "bench", "tests"}
+SOURCE_DIRS = (*LAYERS, "bench", "tests")
+
+
+def python_files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (REPO / d).rglob("*.py"))
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import statement in the file."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def layer_violations(paths: list[Path], root: Path = REPO) -> list[str]:
+    found = []
+    for path in paths:
+        own = LAYERS.index(path.relative_to(root).parts[0])
+        for line, module in imported_modules(ast.parse(path.read_text())):
+            top = module.split(".")[0]
+            if top in LAYERS and LAYERS.index(top) > own:
+                found.append(f"{path.relative_to(root)}:{line} imports {module} "
+                             f"({LAYERS[own]} sits below {top})")
+    return found
+
+
+def private_name_imports(paths: list[Path], root: Path = REPO) -> list[str]:
+    """`from project.module import _name` or `project_module._name` across modules."""
+    found = []
+    for path in paths:
+        tree, me = ast.parse(path.read_text()), module_name(path, root)
+        aliases: dict[str, str] = {}  # local name -> project module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] in PROJECT and node.module != me:
+                for alias in node.names:
+                    if is_private(alias.name):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} imports "
+                                     f"{alias.name} from {node.module}")
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in PROJECT and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in aliases and is_private(node.attr) \
+                    and is_module(aliases[node.value.id]):
+                found.append(f"{path.relative_to(root)}:{node.lineno} reads "
+                             f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def is_module(dotted: str) -> bool:
+    """Whether `dotted` names a project module (not a class or function in one)."""
+    path = REPO.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    problems = layer_violations(python_files(*LAYERS))
+    assert problems == [], "\n".join(problems)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    problems = private_name_imports(python_files(*SOURCE_DIRS))
+    assert problems == [], "\n".join(problems)
+
+
+def is_sys_path(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "path" \
+        and isinstance(node.value, ast.Name) and node.value.id == "sys"
+
+
+def sys_path_edits(paths: list[Path]) -> list[str]:
+    """`sys.path.insert(...)` (any method of it), `sys.path += ...`, `sys.path = ...`."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and is_sys_path(node.value)) \
+                    or (isinstance(node, ast.Assign) and any(map(is_sys_path, node.targets))) \
+                    or (isinstance(node, ast.AugAssign) and is_sys_path(node.target)):
+                found.append((path.name, node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(found)]
+
+
+def test_bench_and_tests_do_not_edit_sys_path() -> None:
+    edits = sys_path_edits(python_files("bench", "tests"))
+    assert edits == [], "helpers are shared through importable modules, not sys.path: " \
+        + ", ".join(edits)
+
+
+def test_the_sys_path_scan_catches_edits(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.py"
+    fake.write_text("import sys\nprint(sys.path)\nsys.path.insert(0, 'x')\nsys.path += ['y']\n"
+                    "sys.path = []\n")
+    assert sys_path_edits([fake]) == ["fake.py:3", "fake.py:4", "fake.py:5"]
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("from orchestrator.spec import JobSpec\n", "parallel sits below orchestrator"),
+    ("def f():\n    import workers.trainer\n", "parallel sits below workers"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from checkpoint import x\n",
+     "parallel sits below checkpoint"),
+])
+def test_the_layer_scan_catches_each_kind_of_import(tmp_path: Path, bad: str,
+                                                     expected: str) -> None:
+    fake = tmp_path / "parallel" / "fake.py"
+    fake.parent.mkdir()
+    fake.write_text(bad)
+    problems = layer_violations([fake], root=tmp_path)
+    assert len(problems) == 1 and expected in problems[0]
+
+
+def test_the_private_scan_catches_names_and_attributes(tmp_path: Path) -> None:
+    fake = tmp_path / "bench" / "fake.py"
+    fake.parent.mkdir()
+    fake.write_text("from parallel.comm_counter import _X\nimport parallel.layout as lay\n"
+                    "lay._hidden\nfrom parallel import layout\nlayout._other\n")
+    problems = private_name_imports([fake], root=tmp_path)
+    assert [p.split(" ", 1)[1] for p in problems] == [
+        "imports _X from parallel.comm_counter", "reads parallel.layout._hidden",
+        "reads parallel.layout._other"]
+
+
+def test_lower_layers_import_with_orchestrator_blocked() -> None:
+    """Import every module of parallel/, checkpoint/ and workers/ in a fresh interpreter in
+    which any attempt to import orchestrator raises."""
+    modules = [module_name(p) for p in python_files("parallel", "checkpoint", "workers")]
+    script = textwrap.dedent(f"""
+        import importlib, sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "orchestrator" or name.startswith("orchestrator."):
+                    raise ImportError(f"blocked: {{name}}")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for name in {modules!r}:
+            importlib.import_module(name)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "orchestrator")
+        print("orchestrator modules loaded:", loaded)
+        sys.exit(1 if loaded else 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
