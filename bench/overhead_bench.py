@@ -66,8 +66,8 @@ def summarize(steps: list[dict[str, Any]], side: str) -> dict[str, Any]:
 
 
 def run_bare(root: str, steps: int) -> dict[str, Any]:
-    from parallel.layout import layout_from_spec
     from workers.launch import launch
+    from workers.spec import layout_from_spec
 
     spec = _spec(root, steps, "overhead-bare")
     layout = layout_from_spec(spec, spec.resources.world_size)

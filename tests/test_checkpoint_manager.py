@@ -298,8 +298,8 @@ def test_storages_work_alike(protocol: str, tmp_path: Path, request) -> None:
 
 # ---- resume through the launcher -------------------------------------------------------------
 def test_resumed_launcher_run_equals_uninterrupted(tmp_path: Path) -> None:
-    from parallel.layout import layout_from_spec
     from workers.launch import launch
+    from workers.spec import layout_from_spec
 
     spec = ckpt_spec(f"file://{tmp_path}/ckpt", ["train.steps=6", "checkpoint.every_steps=2"])
 
