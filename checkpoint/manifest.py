@@ -13,6 +13,13 @@ from typing import Any
 from checkpoint.storage import StorageError, validate_relpath
 
 FORMAT_VERSION = 1
+ECHO_CHARS = 60  # manifests come from storage: quote at most this much of a bad value
+
+
+def echo(value: object) -> str:
+    """A short repr of a value read from storage, so errors never relay a file's content."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} chars)"
 
 
 class CatalogError(Exception):
@@ -51,7 +58,8 @@ class FileEntry:
 
 def _need_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ManifestError(f"manifest field {name} must be an int >= {minimum}, got {value!r}")
+        raise ManifestError(f"manifest field {name} must be an int >= {minimum}, got "
+                            f"{echo(value)}")
 
 
 @dataclass
@@ -83,12 +91,12 @@ class Manifest:
         if not isinstance(self.layout, dict) or not isinstance(self.extra, dict):
             raise ManifestError("manifest fields layout and extra must be JSON objects")
         if not isinstance(self.model_hash, str):
-            raise ManifestError(f"manifest model_hash must be a str, got {self.model_hash!r}")
+            raise ManifestError(f"manifest model_hash must be a str, got {echo(self.model_hash)}")
         for rel in self.files:
             try:  # entries come from storage and drive reads: confine them to the root
                 validate_relpath(rel)
             except StorageError as exc:
-                raise ManifestError(f"manifest file entry rejected: {exc}") from exc
+                raise ManifestError(f"manifest file entry rejected: {str(exc)[:200]}") from exc
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False)

@@ -9,6 +9,7 @@ configured token (no early exit), so timing does not reveal how much of a guess 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from typing import Any, Callable
 
@@ -78,3 +79,27 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return make(refuse, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
     raise ValueError(f"unknown gRPC handler kind: {handler!r}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, has_tokens: bool, insecure: bool) -> None:
+    """Refuse to serve an open API beyond this machine unless the operator said so.
+
+    Why: without tokens, anyone who can reach the port can submit, scale and cancel jobs that
+    run with the server's credentials and storage access; on loopback only local users can."""
+    if is_loopback(host) or has_tokens:
+        return
+    if not insecure:
+        raise ValueError(f"--host {host} is reachable from other machines and no "
+                         f"--token-file was given: refusing to serve without authentication "
+                         f"(add --token-file FILE, or --insecure to accept the risk)")
+    logger.warning("serving on %s WITHOUT authentication (--insecure): anyone who can reach "
+                   "it can submit and cancel jobs", host)

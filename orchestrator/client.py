@@ -279,10 +279,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir, host=args.host, port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port, address=args.address,
         tokens=read_tokens(args.token_file) if args.token_file else None,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, gpus=args.gpus, cpus=args.cpus)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, gpus=args.gpus, cpus=args.cpus,
+        storage_roots=args.storage_roots, insecure=args.insecure, metrics_host=args.metrics_host)
     try:
         return serve(config)
-    except (StoreError, ConnectionError) as err:  # state dir busy, Ray unreachable
+    except (StoreError, ConnectionError, ValueError) as err:  # state dir busy, Ray
+        # unreachable, an unsafe bind or a bad --storage-root
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -302,6 +304,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus port for every job's metrics (0: any free port)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus exporter")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="metrics listen address (default 127.0.0.1, whatever --host is)")
+    p.add_argument("--storage-root", dest="storage_roots", action="append", default=[],
+                   metavar="URI", help="a root jobs may use for checkpoint.uri/data.source "
+                   "(repeatable; file:// under --state-dir is always allowed)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --token-file")
     p.add_argument("--state-dir", default=default_state_dir(),
                    help="job store directory (default: $TENAX_STATE_DIR or ~/.local/state/tenax)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")

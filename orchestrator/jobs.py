@@ -27,6 +27,7 @@ from checkpoint.catalog import Catalog, CatalogError
 from checkpoint.storage import Storage
 from orchestrator.controller import Controller
 from orchestrator.spec import JobSpec, SpecError, apply_overrides, spec_from_dict
+from orchestrator.storage_roots import StorageRootError, StorageRoots, overlapping
 from orchestrator.store import JobRecord, JobStore, StoreError
 
 logger = logging.getLogger(__name__)
@@ -172,8 +173,10 @@ class JobRunner:
 class JobManager:
     """Every job of one service; thread-safe. `collector` is a metrics TenaxCollector or None."""
 
-    def __init__(self, store: JobStore, collector: Any = None) -> None:
+    def __init__(self, store: JobStore, collector: Any = None,
+                 roots: StorageRoots | None = None) -> None:
         self.store, self.collector = store, collector
+        self.roots = roots  # None: any URI (embedding callers that trust their submitters)
         self.runners: dict[str, JobRunner] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -185,10 +188,15 @@ class JobManager:
         if self.stopping.is_set():
             raise SubmitError("the server is shutting down", "unavailable")
         spec = parse_submission(spec_json, overrides)
-        uri = spec.checkpoint.uri.rstrip("/")
-        with self._lock:
+        try:
+            if self.roots is not None:
+                self.roots.check_spec(spec)
+        except StorageRootError as err:
+            raise SubmitError(str(err), "invalid") from None
+        uri = spec.checkpoint.uri
+        with self._lock:  # two spellings of one directory (or one inside the other) conflict
             busy = [r.job_id for r in self.runners.values()
-                    if r.alive and r.spec.checkpoint.uri.rstrip("/") == uri]
+                    if r.alive and overlapping(r.spec.checkpoint.uri, uri)]
             if busy:
                 raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
                                   f"job {busy[0]}; give each job a checkpoint.uri of its own",

@@ -31,7 +31,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -42,9 +42,10 @@ from tenax.v1 import jobs_pb2_grpc as pb_grpc
 
 from checkpoint.catalog import CatalogError
 from checkpoint.storage import StorageError
-from orchestrator.auth import TokenAuth
+from orchestrator.auth import TokenAuth, check_exposure
 from orchestrator.jobs import JobManager, SubmitError, connect_ray
 from orchestrator.spec import SpecError
+from orchestrator.storage_roots import StorageRootError, StorageRoots
 from orchestrator.store import JobRecord, JobStore, StoreError
 from orchestrator.wire import set_layout, event_message, job_message, state_name
 
@@ -211,6 +212,11 @@ class JobServicer(pb_grpc.JobServiceServicer):
     def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
                         context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
         record = self._record(request.job_id)
+        if self.manager.roots is not None:  # a job stored before the roots were narrowed
+            try:
+                self.manager.roots.check(record.checkpoint_uri, "checkpoint.uri")
+            except StorageRootError as err:
+                raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         versions = self.manager.checkpoints(record.checkpoint_uri)
         out = pb.ListCheckpointsResponse(uri=record.checkpoint_uri)
         for v in versions:
@@ -294,6 +300,10 @@ class ServeConfig:
     tls_key: str | None = None
     gpus: int | None = None  # embedded Ray only: GPU slots (default: GPUs, else CPU count)
     cpus: int | None = None
+    storage_roots: list[str] = field(default_factory=list)  # besides file:// under state_dir
+    insecure: bool = False  # allow a non-loopback host without tokens
+    metrics_host: str = "127.0.0.1"
+
 
 
 def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
@@ -308,22 +318,24 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
 
     from orchestrator.metrics import MetricsServer
 
+    check_exposure(config.host, bool(config.tokens), config.insecure)
     store = JobStore(config.state_dir, exclusive=True)
+    roots = StorageRoots.default(str(store.path.parent), config.storage_roots)
     stop = stop or threading.Event()
     metrics, server, previous = None, None, None
     try:
         connect_ray(config.address, config.gpus, config.cpus)
         previous = _on_signals(stop)  # after ray.init, which installs a SIGTERM handler of its own
         if config.metrics_port is not None:
-            metrics = MetricsServer(config.metrics_port, config.host)
-        manager = JobManager(store, metrics.collector if metrics else None)
+            metrics = MetricsServer(config.metrics_port, config.metrics_host)
+        manager = JobManager(store, metrics.collector if metrics else None, roots)
         server = JobServer(manager, ServerOptions(config.host, config.port, config.tokens,
                                                   config.tls_cert, config.tls_key))
         resumed = manager.resume_unfinished()  # after binding: a busy port starts no job
         server.start()
         (ready or _print_ready)(
             f"tenax serve: listening on {config.host}:{server.port}; metrics "
-            f"{f'on http://{config.host}:{metrics.port}/metrics' if metrics else 'off'}; "
+            f"{f'on http://{config.metrics_host}:{metrics.port}/metrics' if metrics else 'off'}; "
             f"state dir {store.path.parent}; resumed {len(resumed)} job(s)")
         while not stop.wait(1.0):
             pass

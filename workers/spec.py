@@ -17,13 +17,51 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationError,
+                      field_validator, model_validator)
 
 from parallel.config import ModelArgs
 from parallel.layout import ParallelLayout, degree_problems, layout_for
 
 logger = logging.getLogger(__name__)
 
+# Why limits: a spec arrives over the wire and every number in it ends up in int32/int64 proto
+# fields and sqlite columns; one that does not fit made SubmitJob INTERNAL and broke ListJobs.
+INT32_MAX = 2**31 - 1
+INT64_FIELDS = frozenset({"seed"})  # carried as int64 (manifest, data order)
+MAX_SPEC_BYTES = 1 << 20  # a job spec is a few hundred bytes; anything near this is an attack
+MAX_OVERRIDE_CHARS = 4096
+ECHO_CHARS = 80  # never echo more of a bad value than this (a huge value is the attack)
+
+
+def short(value: Any, limit: int = ECHO_CHARS) -> str:
+    """`repr(value)` cut to `limit` characters, saying how long it was."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else value
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without YAML aliases: `*a` re-uses a node, so a few hundred characters can
+    expand to gigabytes once converted (billion laughs); a job spec never needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError(f"YAML aliases (*{short(self.peek_event().anchor, 20)}) are "
+                                 f"not accepted in a job spec")
+        return super().compose_node(parent, index)
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """YAML/JSON text, capped in size and without aliases; SpecError naming `source`."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"{source}: {len(text)} characters is more than a job spec may have "
+                        f"({MAX_SPEC_BYTES})")
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{source}: not valid YAML/JSON: {short(str(err), 300)}") from None
 
 
 def _degree(value: Any) -> int | str:
@@ -45,7 +83,16 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_the_wire(cls, value: Any, info: Any) -> Any:
+        limit = 2**63 - 1 if info.field_name in INT64_FIELDS else INT32_MAX
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
+            raise ValueError(f"must be at most {limit} (it is carried as a "
+                             f"{'64' if limit > INT32_MAX else '32'}-bit integer)")
+        return value
 
 
 class MoESpec(_Strict):
@@ -115,7 +162,7 @@ class ParallelSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    steps: int = Field(200, ge=1)
+    steps: int = Field(200, ge=1, le=99_999_999)  # checkpoint dirs are step-NNNNNNNN
     global_batch_size: int = Field(32, ge=1)
     lr: float = Field(3.0e-4, gt=0)
     warmup_steps: int = Field(20, ge=0)
@@ -209,15 +256,17 @@ def layout_from_spec(spec: JobSpec, world_size: int | None = None) -> ParallelLa
                       world_size)
 
 
-def format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(part) for part in e["loc"])
+def format_validation_error(err: ValidationError, max_lines: int = 20) -> str:
+    lines, errors = [], err.errors()
+    for e in errors[:max_lines]:
+        path = ".".join(str(part) for part in e["loc"])[:200]
         msg = e["msg"].removeprefix("Value error, ")
         if path:
-            lines.append(f"{path}: {msg} (got {e.get('input')!r})")
+            lines.append(f"{path}: {msg} (got {short(e.get('input'))})")
         else:
             lines.append(msg)
+    if len(errors) > max_lines:
+        lines.append(f"... and {len(errors) - max_lines} more problems")
     return "\n".join(lines)
 
 
@@ -230,10 +279,8 @@ def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
 
 def parse_spec_text(text: str, source: str = "<text>") -> dict[str, Any]:
     """YAML is a superset of JSON, so one parser reads both."""
-    try:
-        raw = yaml.safe_load(text) if text.strip() else {}
-    except yaml.YAMLError as err:
-        raise SpecError(f"{source}: not valid YAML/JSON: {err}") from None
+    raw = load_yaml_text(text, source)
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     return raw
@@ -270,11 +317,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     out = json.loads(json.dumps(raw))
     for item in overrides:
         key, sep, value = item.partition("=")
+        if len(item) > MAX_OVERRIDE_CHARS:
+            raise SpecError(f"--set {short(item)}: longer than {MAX_OVERRIDE_CHARS} characters")
         if not sep or not key.strip():
-            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. parallel.tp=2")
+            raise SpecError(f"--set {short(item)}: expected KEY=VALUE, e.g. parallel.tp=2")
         path = key.strip().split(".")
         annotation = _field_annotation(path)
-        typed: Any = value if _is_text(annotation) else yaml.safe_load(value) if value else value
+        typed: Any = value if _is_text(annotation) else \
+            load_yaml_text(value, f"--set {key.strip()}") if value else value
         node = out
         for part in path[:-1]:
             if not isinstance(node.get(part), dict):
