@@ -299,7 +299,8 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
     newest committed checkpoint with the clean run's losses; `tenax watch`, started before the
     kill, reconnects and shows every event once."""
     state, log = tmp_path / "state", tmp_path / "serve.log"
-    args = ["--state-dir", str(state), "--address", ray_address, "--no-metrics"]
+    args = ["--state-dir", str(state), "--address", ray_address, "--no-metrics",
+            "--storage-root", f"file://{tmp_path}"]  # job_overrides puts checkpoints there
     first, watcher = ServerProcess(args, log), None
     try:
         s = stub(first.port)
@@ -340,7 +341,8 @@ def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path
     server = None
     try:
         server = ServerProcess(["--state-dir", str(state), "--gpus", "1", "--cpus", "2",
-                                "--no-metrics"], tmp_path / "serve.log", {"TMPDIR": private})
+                                "--no-metrics", "--storage-root", f"file://{tmp_path}"],
+                               tmp_path / "serve.log", {"TMPDIR": private})
         assert pids_mentioning(private), "the embedded Ray should run under TMPDIR"
         s = stub(server.port)
         job_id = submit(s, [], job_overrides(tmp_path, "term", [
