@@ -212,6 +212,9 @@ class JobManager:
         """Start a controller for every stored job that had not finished; returns their ids."""
         resumed = []
         for record in self.store.unfinished():
+            if self.store.cancel_requested(record.job_id):
+                self._finish_cancelled(record)
+                continue
             try:
                 spec = spec_from_dict(json.loads(record.spec_json))
             except (SpecError, ValueError) as err:
@@ -228,6 +231,13 @@ class JobManager:
                         record.state, runner.controller.target_nodes)
             resumed.append(record.job_id)
         return resumed
+
+    def _finish_cancelled(self, record: JobRecord) -> None:
+        logger.info("job %s: not resumed, its cancel request was stored before the restart",
+                    record.job_id)
+        self.store.append_event(record.job_id, {
+            "event": "state", "state": "CANCELLED", "job": record.job_id, "was": record.state,
+            "reason": "cancel requested before the service stopped; not resumed"})
 
     def _start(self, job_id: str, spec: JobSpec, record: JobRecord | None = None) -> JobRunner:
         baseline = record.status if record else {}
@@ -278,8 +288,12 @@ class JobManager:
         return runner.status(), runner.controller.target_nodes
 
     def cancel(self, job_id: str) -> None:
-        self.runners[job_id].controller.cancel()
-        logger.info("job %s: cancel requested", job_id)
+        """Persist the request, then tell the controller: an ack means a restart honours it."""
+        self.store.request_cancel(job_id, "CancelJob")  # StoreError: not acknowledged
+        runner = self.runners.get(job_id)
+        if runner is not None:
+            runner.controller.cancel()
+        logger.info("job %s: cancel requested (stored before acting on it)", job_id)
 
     def scale(self, job_id: str, nodes: int) -> None:
         runner = self.runners[job_id]

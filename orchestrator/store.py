@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 DB_NAME = "tenax.db"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STEP_EVERY, STEP_TAIL = 50, 200
+CANCEL_REQUESTED = "cancel_requested"  # event kind of a persisted CancelJob
 BUSY_TIMEOUT_S = 10.0
 _JOB_COLS = ("job_id, name, spec_json, state, cause, checkpoint_uri, status_json, created_at, "
              "updated_at")
@@ -192,6 +193,22 @@ class JobStore:
         with self._lock, self._write():
             self._db.execute("UPDATE jobs SET status_json = ?, updated_at = ? WHERE job_id = ?",
                              (json.dumps(status, default=str), time.time(), job_id))
+
+    # ---- durable requests ------------------------------------------------------------------
+    def request_cancel(self, job_id: str, reason: str) -> EventRecord:
+        """Record a cancel request in the job's history before anyone acts on it.
+
+        Why an event: it is durable and atomic like every other event, WatchJob shows it, and a
+        service killed before the controller acted finds it (`cancel_requested`) on restart
+        and cancels the job instead of resuming it."""
+        return self.append_event(job_id, {"event": CANCEL_REQUESTED, "job": job_id,
+                                          "reason": reason, "time": time.time()})
+
+    def cancel_requested(self, job_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM events WHERE job_id = ? AND kind = ? LIMIT 1",
+                                   (job_id, CANCEL_REQUESTED)).fetchone()
+        return row is not None
 
     # ---- events ----------------------------------------------------------------------------
     def append_event(self, job_id: str, event: dict[str, Any],
