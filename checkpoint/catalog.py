@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Collection, Mapping, NamedTuple
+from typing import Any, Callable, Collection, Mapping, NamedTuple
 
 from checkpoint.manifest import (FORMAT_VERSION, CatalogError, CatalogUnreachableError,
                                  FileEntry, Manifest, ManifestError, VersionHealth)
@@ -117,13 +117,15 @@ class Catalog:
                data_cursor: int, seed: int, lr_step: int, blocked_s: float = 0.0,
                started_at: float | None = None, extra: Mapping[str, Any] | None = None,
                expected_files: Collection[str] | None = None,
-               allow_empty_files: bool = False) -> Manifest:
+               allow_empty_files: bool = False,
+               before_publish: Callable[[], None] | None = None) -> Manifest:
         """Checksum every file of the version, then write manifest.json last; return it.
 
         `started_at` is `time.monotonic()` when the save began (total_s runs to the manifest
         write; without it total_s is the commit's own time). Refuses when the version dir is
         missing or has no files, a file of `expected_files` is missing, a file is empty (unless
-        `allow_empty_files`), or the step is already committed.
+        `allow_empty_files`), or the step is already committed. `before_publish` runs right
+        before the manifest is written and may raise to abort the commit.
         """
         t0 = time.monotonic()
         name = version_name(step)
@@ -145,6 +147,8 @@ class Catalog:
             blocked_s=float(blocked_s), extra=dict(extra or {}),
             created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
         manifest.total_s = time.monotonic() - (t0 if started_at is None else started_at)
+        if before_publish is not None:
+            before_publish()
         self.storage.write_bytes(self._manifest_rel(step), manifest.to_json().encode())
         took = max(time.monotonic() - t0, 1e-9)
         logger.info("committed %s: %d files, %d bytes, commit took %.3fs (%.0f MB/s)",
@@ -292,6 +296,13 @@ class Catalog:
     def delete(self, step: int) -> bool:
         """Delete a version: manifest first (uncommit), then its files. False if absent."""
         self.storage.delete(self._manifest_rel(step))
+        return self.storage.delete_tree(version_name(step))
+
+    def delete_uncommitted(self, step: int) -> bool:
+        """Delete the version dir of `step` only if it has no manifest; False if none or
+        committed (a failed save must never take a committed version with it)."""
+        if self.storage.exists(self._manifest_rel(step)):
+            return False
         return self.storage.delete_tree(version_name(step))
 
     def apply_retention(self, keep_last: int, keep_every: int = 0, *,

@@ -49,7 +49,7 @@ sync 0.36/0.37 s. What the numbers say:
   blocked_s.
 - GPU tensors are staged to reused pinned buffers on the training thread (not measured here).
 If a writer cannot start the save falls back to thread, then sync, and logs why. memory:// is
-per-process, so it works with world size 1 only.
+per-process (world size 1 only). A writer given up on cannot commit afterwards (writer.py).
 
 No module-level state and no cached process group: the manager uses whatever default group is
 current, so after a group is destroyed and re-formed with another world size a new manager works
@@ -79,8 +79,9 @@ from checkpoint.shards import byte_view
 from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
                               describe_error)
 from checkpoint.storage import Storage, StorageError
+from checkpoint.fork_writer import start_fork
 from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for, run_inline,
-                               start_fork, start_thread)
+                               start_thread)
 
 logger = logging.getLogger(__name__)
 
@@ -211,10 +212,12 @@ class CheckpointManager:
         try:
             self.wait()
         except CheckpointTimeoutError as exc:
-            self._record(failed_event(self._flight.step, str(exc), self.rank))
-            self._flight.abandon()  # a late writer must not commit, nor share our buffers
+            flight = self._flight
+            if not flight.abandon(self.timeout_s):  # it is publishing: let it finish
+                flight.wait(self.timeout_s)
+            self._record(flight.event or failed_event(flight.step, str(exc), self.rank))
             self._flight = None
-            self._stager = Stager()
+            self._stager = Stager()  # a late writer must not share our buffers
         waited = time.monotonic() - t0
         if warn and waited > 0.01:
             logger.warning("save waited %.2fs for the previous one: checkpoint.every_steps=%d "

@@ -12,7 +12,7 @@ Runners (chosen by the manager; see its docstring for the measurements behind th
 - `start_thread` (the default for `checkpoint.async: true`): a thread whose OS priority is
   lowered (Linux lets a thread have its own nice value) writes from host copies; with a
   `stage` callback it also makes those copies first (the manager's fenced, shared staging).
-- `start_fork`: fork a child at the same low priority that writes from a copy-on-write
+- `start_fork` (fork_writer.py): fork a child at the same low priority that writes from a copy-on-write
   snapshot of the live tensors (staging costs a fork instead of a memcpy). Measured to lose
   more training time than the thread (every page the next step writes faults and is copied);
   kept as an option and for the benchmark. Local filesystems only: memory:// is per-process,
@@ -32,7 +32,6 @@ import errno
 import json
 import logging
 import os
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +90,9 @@ class SaveJob:
     blocked_s: float | None = None  # None: a sync save, blocked for its whole duration
     fence_wait_s: float = 0.0  # time training later waited at its optimizer step for staging
     abandoned: threading.Event = field(default_factory=threading.Event)
+    # held from the manifest write through retention; abandoning takes it, so a writer given up
+    # on can never commit (or run retention) while the next save is being written
+    publish_gate: threading.Lock = field(default_factory=threading.Lock)
     started_wall: float = field(default_factory=time.time)  # to find the earliest rank
 
     @property
@@ -123,7 +125,24 @@ def run_job(job: SaveJob) -> dict[str, Any]:
         cause = f"{type(exc).__name__}: {exc}"
         logger.error("checkpoint step %d failed on rank %d: %s", job.step, job.rank, cause)
         write_failure_marker(job, cause)
+        if job.commit is not None:
+            remove_failed_version(job)
         return failed_event(job.step, cause, job.rank)
+
+
+def remove_failed_version(job: SaveJob) -> None:
+    """Rank 0: delete the failed save's uncommitted directory (best effort).
+
+    Why here: retention removes leftovers only after a successful commit, so a disk that
+    stays full would collect one partial version per attempt and never free the space."""
+    try:
+        if not Catalog(job.storage).delete_uncommitted(job.step):
+            return
+        logger.warning("removed the partial directory of failed checkpoint step %d at %s",
+                       job.step, job.storage.url(job.version))
+    except Exception as exc:  # cleanup of a failure must not raise over the failure
+        logger.error("could not remove the partial checkpoint step %d at %s: %s", job.step,
+                     job.storage.url(job.version), exc)
 
 
 def _check_live(job: SaveJob) -> None:
@@ -191,7 +210,7 @@ def _write_local(path: str, pieces: list[tuple[int, np.ndarray]], nbytes: int,
                 if pause is not None and written >= nbytes // 2:
                     pause()
                     pause = None
-                written += _write_all(fd, mv[start:start + WRITE_CHUNK])
+                written += write_all(fd, mv[start:start + WRITE_CHUNK])
         if pause is not None:
             pause()
         os.fsync(fd)  # shard bytes must be durable before the commit marker names them
@@ -199,7 +218,7 @@ def _write_local(path: str, pieces: list[tuple[int, np.ndarray]], nbytes: int,
         os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview) -> int:
+def write_all(fd: int, data: memoryview) -> int:
     done = 0
     while done < len(data):
         done += os.write(fd, data[done:])
@@ -266,17 +285,29 @@ def _commit(job: SaveJob) -> dict[str, Any]:
     _check_live(job)
     catalog = Catalog(job.storage)
     sync = blocked < 0  # sync saves block training for their whole duration
-    manifest = catalog.commit(
-        job.step, layout=info.layout, world_size=job.world, model_hash=info.model_hash,
-        data_cursor=info.data_cursor, seed=info.seed, lr_step=info.lr_step,
-        blocked_s=0.0 if sync else blocked, started_at=earliest,
-        extra={**info.extra, "writer": job.mode}, expected_files=files)
-    blocked_s = manifest.total_s if sync else blocked
+    held: list[bool] = []
+
+    def enter_gate() -> None:  # right before the manifest: checksums ran outside the gate
+        job.publish_gate.acquire()
+        held.append(True)
+        _check_live(job)
+
     try:
-        catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect,
-                                head=job.step)
-    except Exception as exc:  # retention is a chore; its failure is logged, never fatal
-        logger.error("retention after step %d failed: %s", job.step, exc)
+        manifest = catalog.commit(
+            job.step, layout=info.layout, world_size=job.world, model_hash=info.model_hash,
+            data_cursor=info.data_cursor, seed=info.seed, lr_step=info.lr_step,
+            blocked_s=0.0 if sync else blocked, started_at=earliest,
+            extra={**info.extra, "writer": job.mode}, expected_files=files,
+            before_publish=enter_gate)
+        try:
+            catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect,
+                                    head=job.step)
+        except Exception as exc:  # retention is a chore; its failure is logged, never fatal
+            logger.error("retention after step %d failed: %s", job.step, exc)
+    finally:
+        if held:
+            job.publish_gate.release()
+    blocked_s = manifest.total_s if sync else blocked
     return {"event": "checkpoint", "step": job.step, "blocked_s": round(blocked_s, 6),
             "total_s": round(manifest.total_s, 6), "bytes": manifest.total_bytes,
             "mode": job.mode, "world_size": job.world}
@@ -292,9 +323,19 @@ class Flight:
         self._done = threading.Event()
         self.event: dict[str, Any] | None = None
 
-    def abandon(self) -> None:
-        """The caller gave up waiting: a writer that wakes up later must not commit."""
-        self._job.abandoned.set()
+    def abandon(self, timeout_s: float) -> bool:
+        """The caller gave up waiting: a writer that wakes up later must not commit.
+
+        False when the writer is publishing its manifest right now (it holds the gate for
+        longer than `timeout_s`): the save may still commit, so the caller must wait for it.
+        """
+        if not self._job.publish_gate.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        try:
+            self._job.abandoned.set()
+        finally:
+            self._job.publish_gate.release()
+        return True
 
     def finish(self, event: dict[str, Any]) -> None:
         self.event = event
@@ -334,55 +375,3 @@ def start_thread(job: SaveJob, stage: Callable[[], list] | None = None) -> Fligh
 
     threading.Thread(target=body, name=f"ckpt-writer-{job.step}", daemon=True).start()
     return flight
-
-
-def start_fork(job: SaveJob) -> Flight:
-    """Fork a nice-19 child that runs the job on a copy-on-write snapshot of the tensors."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into the trainer; os._exit skips atexit and gloo
-        code = 1
-        try:
-            os.close(read_fd)
-            job.blocked_s = time.monotonic() - job.started_at
-            os.nice(WRITER_NICE)
-            _write_all(write_fd, memoryview(json.dumps(run_job(job)).encode()))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    flight = Flight(job)
-    threading.Thread(target=_watch_child, args=(job, flight, pid, read_fd),
-                     name=f"ckpt-watch-{job.step}", daemon=True).start()
-    return flight
-
-
-def _watch_child(job: SaveJob, flight: Flight, pid: int, read_fd: int) -> None:
-    chunks: list[bytes] = []
-    try:
-        while True:
-            remaining = flight.deadline - time.monotonic()
-            if remaining <= 0:
-                os.kill(pid, 9)
-                break
-            ready, _, _ = select.select([read_fd], [], [], min(remaining, 1.0))
-            if ready:
-                chunk = os.read(read_fd, 1 << 16)
-                if not chunk:
-                    break  # EOF: the child finished or died
-                chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code == 0 and chunks:
-        flight.finish(json.loads(b"".join(chunks)))
-        return
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    if time.monotonic() >= flight.deadline:
-        how += f" after missing its deadline ({job.timeout_s:.0f}s + size allowance)"
-    cause = f"writer process {pid} of step {job.step} {how}"
-    logger.error("checkpoint step %d failed on rank %d: %s", job.step, job.rank, cause)
-    if job.commit is None:
-        write_failure_marker(job, cause)
-    flight.finish(failed_event(job.step, cause, job.rank))
