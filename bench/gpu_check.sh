@@ -13,4 +13,4 @@ PY="$(command -v python3 || command -v python)"
   "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 } 2>&1 | tee -a "$OUT/gpu_check.log"
-exec timeout 420 "$PY" bench/gpu_check.py --out "$OUT" "$@"
+exec timeout 480 "$PY" bench/gpu_check.py --out "$OUT" "$@"

@@ -91,14 +91,19 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
     from orchestrator.spec import load_spec, plan_for_spec
     from parallel.planner import plan_layout
 
+    options, mem_gib = _gpu_options(args)
     if args.spec:
         spec = load_spec(args.spec, args.overrides)
-        result = plan_for_spec(spec, args.gpus, args.gpus_per_node, args.gpu_mem_gib)
+        result = plan_for_spec(spec, args.gpus, args.gpus_per_node, mem_gib, **options)
     else:
-        # A preset names only a model: every degree, the batch split and precision are free.
+        # A preset names only a model: every degree, the batch split and precision are free,
+        # except the parallel.* keys the user --set (to evaluate a published configuration).
         spec = load_spec(preset=args.model_preset, overrides=args.overrides)
-        result = plan_layout(spec.model.args(), args.gpus, args.gpus_per_node, args.gpu_mem_gib,
-                             global_batch_size=args.global_batch_size)
+        keys = {o.split("=", 1)[0].split(".", 1)[1] for o in args.overrides
+                if o.startswith("parallel.")}
+        fixed = {k: getattr(spec.parallel, k) for k in keys}
+        result = plan_layout(spec.model.args(), args.gpus, args.gpus_per_node, mem_gib,
+                             global_batch_size=args.global_batch_size, fixed=fixed, **options)
     doc = result.to_dict()
     if args.json:
         _print_json(doc)
@@ -107,13 +112,33 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_options(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
+    """`--gpu NAME` and its override flags -> plan_layout options and GiB per GPU."""
+    from parallel.hardware import gpu_model, planner_options
+
+    if args.gpu is None:
+        return {}, args.gpu_mem_gib or 80.0
+    scale = {"peak_tflops": ("peak_bf16_flops", 1e12), "hbm_gb": ("hbm_gb", 1.0),
+             "hbm_tbps": ("hbm_bandwidth_Bps", 1e12), "nvlink_gbps": ("nvlink_Bps", 1e9),
+             "internode_gbps": ("internode_Bps", 1e9)}
+    overrides = {field: getattr(args, flag) * k if getattr(args, flag) is not None else None
+                 for flag, (field, k) in scale.items()}
+    gpu = gpu_model(args.gpu, **overrides)
+    return planner_options(gpu), args.gpu_mem_gib or gpu.hbm_gib
+
+
 def _print_plan(doc: dict[str, Any]) -> None:
     from rich.console import Console
 
-    best = doc["estimate"]
+    best, chosen = doc["estimate"], doc["chosen"]
     Console().print(f"[bold]Chosen layout[/bold]: {best['describe']}  "
                     f"(recompute {best['recompute']}, {best['microbatches']} micro-batches)\n"
-                    f"why: {doc['reason']}")
+                    f"why: {doc['reason']}\n"
+                    f"per GPU {chosen['memory_per_gpu_gib']:.1f} GiB, step {chosen['step_time_s']:.4g} s, "
+                    f"{chosen['tokens_per_s']:.4g} tokens/s, MFU {100 * chosen['mfu']:.1f}% "
+                    f"(assumes {100 * doc['hardware']['mfu_assumed']:.0f}% of peak while computing)")
+    for warning in doc["warnings"]:
+        Console().print(f"[yellow]warning[/yellow]: {warning}")
     rows = [[best["describe"], best["memory"]["total_gib"], best["step_time"]["total_s"],
              best["tokens_per_s"], "chosen"]]
     rows += [[r["describe"], r["memory"]["total_gib"], r["step_time"]["total_s"],
@@ -163,7 +188,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model-preset", help="tiny, llama3-8b, llama3-70b, llama3-405b")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    p.add_argument("--gpu-mem-gib", type=float, default=None, help="default: the --gpu's HBM, or 80")
+    p.add_argument("--gpu", choices=("a100", "h100", "h200", "b200"), default=None,
+                   help="vendor figures: peak dense bf16, HBM, NVLink, NIC (override below)")
+    for flag, unit in (("--peak-tflops", "dense bf16 TFLOP/s"), ("--hbm-gb", "GB"),
+                       ("--hbm-tbps", "TB/s"), ("--nvlink-gbps", "GB/s per direction"),
+                       ("--internode-gbps", "GB/s per GPU")):
+        p.add_argument(flag, type=float, default=None, help=f"override the --gpu's {unit}")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="with --model-preset: sequences per step (default: 4 per GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

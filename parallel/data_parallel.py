@@ -42,6 +42,9 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
+# torch 2.13 renamed these; older torch (2.11 on the lent GPU hosts) has only the old names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -158,7 +161,7 @@ class DataParallel:
         if chunk is not None:
             send[:chunk.numel()] = chunk.reshape(-1)
         recv = torch.empty(self.world * c, dtype=send.dtype, device=send.device)
-        dist.all_gather_single(recv, send, group=self.group)
+        all_gather_flat(recv, send, group=self.group)
         return recv[:local(p).numel()].view_as(local(p))
 
     def chunk_view(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
@@ -224,7 +227,7 @@ class DataParallel:
                 p.grad = None
         bucket.recv = torch.empty(bucket.chunk_total, dtype=rows.dtype, device=rows.device)
         bucket.buffer = rows
-        bucket.work = dist.reduce_scatter_single(bucket.recv, rows.view(-1), group=self.group,
+        bucket.work = reduce_scatter_flat(bucket.recv, rows.view(-1), group=self.group,
                                                  async_op=True)
 
     def _settle(self, bucket: _Bucket) -> None:
@@ -262,14 +265,12 @@ class DataParallel:
         self._last_micro = False
 
     def _copy_back(self, bucket: _Bucket) -> None:
+        """zero 0: each grad becomes a view of the reduced bucket (no copy back, and the
+        unreduced grad is freed), as DDP's gradient_as_bucket_view does."""
         offset = 0
         for p in bucket.params:
             n = local(p).numel()
-            reduced = bucket.buffer[offset:offset + n].view_as(local(p))
-            if p.grad is None:
-                p.grad = _like_param(p, reduced.clone())
-            else:
-                local(p.grad).copy_(reduced)
+            p.grad = _like_param(p, bucket.buffer[offset:offset + n].view_as(local(p)))
             offset += n
 
     def _write_owned_chunks(self, bucket: _Bucket) -> None:
@@ -307,7 +308,7 @@ class DataParallel:
         for bucket in self.buckets:
             send = torch.cat([self._padded_chunk(p, c) for p, c in zip(bucket.params, bucket.chunks)])
             recv = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-            dist.all_gather_single(recv, send, group=self.group)
+            all_gather_flat(recv, send, group=self.group)
             rows = recv.view(self.world, -1)
             offset = 0
             for p, chunk in zip(bucket.params, bucket.chunks):
@@ -331,8 +332,7 @@ class DataParallel:
             bucket.shard_grad = bucket.recv = bucket.buffer = bucket.work = None
 
     def held_grad_bytes(self) -> int:
-        """Gradient bytes this rank holds now: full local grads plus zero 2's accumulators
-        (zero 1's shard grads are views into p.grad and count once)."""
+        """Grad bytes held now: local grads + zero 2's accumulators (zero 1's are views)."""
         total = sum(local(p.grad).numel() * local(p.grad).element_size()
                     for p in self.params if p.grad is not None)
         return total + sum(b.shard_grad.numel() * b.shard_grad.element_size()

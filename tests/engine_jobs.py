@@ -58,3 +58,33 @@ def comm_job(rank: int, world: int, layout: dict[str, Any], extra: list[str]) ->
     with CommCounter() as counter:
         trainer.run_step()
     return counter.summary()
+
+
+DP_BATCH = 16  # global batch of the ZeRO accounting jobs: 1 or 4 micro-batches at dp 2 and 4
+
+
+def zero_accounting_job(rank: int, world: int, configs: list[tuple[int, int]]) -> dict[str, Any]:
+    """Per (zero, micro-batches m): collective input bytes of one counted step (after a warm-up
+    step) and the grad bytes held when the last micro-batch begins, on `world` dp ranks."""
+    from parallel.comm_counter import CommCounter
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    for zero, m in configs:
+        layout = ParallelLayout(dp=world, zero=zero, micro_batch_size=DP_BATCH // (world * m))
+        trainer = Trainer(tiny_spec([f"train.global_batch_size={DP_BATCH}"]), layout)
+        trainer.run_step()
+        held: list[int] = []
+
+        def watch(index: int, last: bool, trainer: Any = trainer) -> None:
+            if last and index > 0:
+                held.append(sum(dp.held_grad_bytes() for dp in trainer.pm.dps))
+
+        trainer.on_micro_batch = watch
+        with CommCounter() as counter:
+            trainer.run_step()
+        out[f"zero{zero} m{m}"] = {"comm": counter.summary(), "accum": trainer.accum,
+                                   "held_grads": held[0] if held else None,
+                                   "n_params": trainer.spec.model.num_params()}
+    return out

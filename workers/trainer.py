@@ -159,6 +159,10 @@ class Trainer:
             time.sleep(extra)
             busy += extra
         t0 = time.perf_counter()
+        # The loss sum is final now: reduce it behind the gradient buckets instead of as one
+        # more blocking collective at the end of the step (waited for after the optimizer).
+        loss_work = None if self.pipeline is not None else dist.all_reduce(
+            loss_sum, group=self.pm.groups.dp_cp, async_op=True)
         for dp in self.pm.dps:
             dp.finish_grads()
         norm = self.clip_grads()
@@ -172,7 +176,7 @@ class Trainer:
         t0 = time.perf_counter()
         for dp in self.pm.dps:
             dp.after_optimizer_step()
-        loss = self._global_loss(loss_sum)
+        loss = self._global_loss(loss_sum, loss_work)
         waited += time.perf_counter() - t0
         self.step += 1
         step_s = time.perf_counter() - start
@@ -180,8 +184,11 @@ class Trainer:
         return StepResult(self.step, loss, norm, lr, step_s, busy, self.global_tokens,
                           inputs.numel())
 
-    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+    def _global_loss(self, loss_sum: torch.Tensor, work: dist.Work | None) -> float:
         """Mean token loss of the global batch; under PP only last-stage ranks hold a sum."""
+        if work is not None:
+            work.wait()
+            return loss_sum.item() / self.global_tokens
         if self.layout.pp > 1:
             dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
         dist.all_reduce(loss_sum, group=self.pm.groups.dp_cp)
@@ -245,9 +252,16 @@ class Trainer:
         element exactly once, whatever mix of DP chunks, TP shards and FSDP shards there is.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p, g in self._owned_grads():
-            total += g.double().pow(2).sum() * _replication_weight(p)
-        dist.all_reduce(total)
+        lay = self.layout
+        if lay.zero == 0 and lay.tp == lay.pp == lay.ep == 1:
+            # Plain DDP: every rank holds every averaged grad, so the norm needs no collective.
+            for p in self.pm.parameters():
+                if p.grad is not None:
+                    total += local(p.grad).double().pow(2).sum()
+        else:
+            for p, g in self._owned_grads():
+                total += g.double().pow(2).sum() * _replication_weight(p)
+            dist.all_reduce(total)
         norm = total.sqrt().item()
         clip = self.spec.train.grad_clip
         if clip > 0:
