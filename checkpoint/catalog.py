@@ -74,6 +74,19 @@ class Deletion:
     reason: str
 
 
+def share_of(files: Mapping[str, FileEntry], rank: int, world: int) -> set[str]:
+    """The files `rank` of `world` re-reads to verify a version: greedy by size, largest first,
+    to the least-loaded rank, so every rank reads about 1/world of the bytes (deterministic)."""
+    loads = [(0, r) for r in range(world)]
+    mine: set[str] = set()
+    for rel, entry in sorted(files.items(), key=lambda kv: (-kv[1].size, kv[0])):
+        load, owner = min(loads)
+        loads[owner] = (load + entry.size, owner)
+        if owner == rank:
+            mine.add(rel)
+    return mine
+
+
 class Catalog:
     """Versions of one job's checkpoints on a `Storage` root.
 
@@ -212,8 +225,11 @@ class Catalog:
         """Problems of committed `step`, re-reading every file; [] means intact."""
         return self.check(step).problems
 
-    def check(self, step: int) -> VersionHealth:
-        """Re-read every file of committed `step`, telling damage from unreachable storage."""
+    def check(self, step: int, share: tuple[int, int] | None = None) -> VersionHealth:
+        """Re-read every file of committed `step`, telling damage from unreachable storage.
+
+        `share=(rank, world)` re-reads only that rank's share of the bytes (`share_of`), so
+        the ranks of a job verify a version together instead of waiting on one reader."""
         try:
             manifest = self.manifest(step)
         except CatalogUnreachableError as exc:
@@ -226,7 +242,10 @@ class Catalog:
         except StorageError as exc:
             return VersionHealth(unreachable=(f"cannot list {self.storage.url(name)}: {exc}",))
         damaged, unreachable, to_check = [], [], {}
+        mine = share_of(manifest.files, *share) if share else set(manifest.files)
         for rel, entry in sorted(manifest.files.items()):
+            if rel not in mine:
+                continue
             url = self.storage.url(f"{name}/{rel}")
             if rel not in listed:
                 damaged.append(f"missing file {url}")
@@ -252,11 +271,12 @@ class Catalog:
                                f"manifest says {entry.checksum} ({entry.size} bytes)")
         return VersionHealth(tuple(damaged), tuple(unreachable))
 
-    def _check_patiently(self, step: int) -> VersionHealth:
+    def check_patiently(self, step: int,
+                        share: tuple[int, int] | None = None) -> VersionHealth:
         """`check`, retried with backoff while storage is unreachable (transient errors)."""
         delay = self.backoff_s
         for attempt in range(1, self.read_attempts + 1):
-            health = self.check(step)
+            health = self.check(step, share)
             if not health.unreachable or health.damaged or attempt == self.read_attempts:
                 return health
             logger.warning("checkpoint step %d unreachable (attempt %d of %d, retrying in "
@@ -274,7 +294,7 @@ class Catalog:
         it would resume older work and let the next save replace a version that may be fine.
         """
         for step in reversed(self.committed_steps()):
-            health = self._check_patiently(step) if verify else VersionHealth()
+            health = self.check_patiently(step) if verify else VersionHealth()
             if health.unreachable and not health.damaged:
                 raise CatalogUnreachableError(
                     f"checkpoint step {step} at {self.storage.url(version_name(step))} stayed "

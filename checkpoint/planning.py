@@ -53,6 +53,17 @@ def dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def max_across_ranks(value: int) -> int:
+    """The largest `value` any rank passed (one tiny all-reduce; `value` alone without a group)."""
+    if not dist_on():
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
 @contextlib.contextmanager
 def single_process_quiet() -> Iterator[None]:
     """DCP warns on every call without a process group; world-1 providers use none on purpose."""
