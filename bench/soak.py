@@ -1,6 +1,6 @@
 """Chaos soak: many random faults in one run, and proof that no committed work was lost.
 
-    python -m bench.soak [--quick] [--json PATH] [--seed N] [--faults N]
+    python -m bench.soak [--quick] [--json PATH] [--seed N] [--seeds 3] [--faults N]
 
 Why: each recovery path is tested on its own elsewhere; a long job meets them back to back —
 a kill during the restart after a hang, a corrupted newest checkpoint right before a node
@@ -19,6 +19,7 @@ On embedded Ray every rank runs on one Ray node, so `kill node=0` uses the node-
 semantics: the block's ranks die and the controller retires that block's GPU slots for good
 (the bench gives Ray spare slots so capacity stays at max_nodes). `hang_timeout_s` is small so
 hangs are detected in seconds. The clean run uses the same spec in the same Ray session.
+The bench runs 3 seeds by default (seed, seed+1, seed+2); it passes only if every seed does.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args
+from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -131,19 +132,35 @@ def _kind_of(event_id: str) -> str:
 
 def lost_committed_steps(job: TimedJob, keep_last: int) -> list[dict[str, Any]]:
     """Per recovery: the newest intact committed step known before the failure (within what
-    retention keeps) vs the step resumed from. Corrupted versions are not intact until the
-    same step is committed again."""
+    retention keeps) vs the step resumed from.
+
+    A version the drill corrupted is not intact until it is committed AGAIN, and a re-commit
+    of step S needs a rollback below S first (recovery or rescale): the drill damages what is
+    on storage, and the `checkpoint` event of that very commit may reach the controller only
+    after the `chaos` event. Counting such a late event as a re-commit would call the correct
+    fallback past the damaged version a loss.
+    """
     out, intact, commits, last_failure = [], set(), [], None
+    corrupted: set[int] = set()  # damaged by the drill, not re-committed since
+    recommittable: set[int] = set()  # corrupted steps the job has since rolled back below
     for e in job.events:
         kind = e.get("event")
         if kind == "checkpoint":
-            commits.append(e["step"])
-            intact.add(e["step"])
+            step = e["step"]
+            commits.append(step)
+            if step not in corrupted or step in recommittable:
+                intact.add(step)
+                corrupted.discard(step)
+                recommittable.discard(step)
         elif kind == "chaos" and e.get("kind") == "corrupt-checkpoint":
             match = re.search(r"step-0*(\d+)", str(e.get("detail", "")))
             if match:
                 intact.discard(int(match.group(1)))
-        elif kind == "failure":
+                corrupted.add(int(match.group(1)))
+                recommittable.discard(int(match.group(1)))
+        elif kind in ("recovered", "scaled"):
+            recommittable |= {s for s in corrupted if s > e["step"]}
+        if kind == "failure":
             last_failure = e
         elif kind == "recovered" and last_failure is not None:
             window = sorted(set(commits))[-keep_last:]
@@ -248,24 +265,38 @@ def report(c: dict[str, Any], cfg: SoakConfig) -> Report:
     return rep
 
 
-def main() -> int:
-    def extra(parser: Any) -> None:
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--faults", type=int, default=0, help="default 21 (quick: 8)")
-
-    args = parse_args(__doc__, extra)
-    cfg = SoakConfig(n_faults=args.faults or (8 if args.quick else 21), seed=args.seed)
+def soak_one(cfg: SoakConfig, quick: bool) -> tuple[Report, bool]:
+    """One seed's soak: its report (context holds everything to reproduce it) and verdict."""
     with tempfile.TemporaryDirectory(prefix="tenax-soak-") as root:
         result = run_soak(cfg, root)
     c = checks(result)
     rep = report(c, cfg)
-    rep.context = {"quick": args.quick, "config": result["config"], "chaos": result["chaos"],
+    rep.context = {"quick": quick, "config": result["config"], "chaos": result["chaos"],
                    "faults": result["faults"], "fired": result["fired"], "audit": result["audit"],
                    "checks": c, "events": [e for e in result["job"].events if e.get("event") != "step"]}
-    rep.finish(args.json_path)
-    ok = passed(c)
-    print("SOAK PASSED" if ok else "SOAK FAILED")
-    return 0 if ok else 1
+    return rep, passed(c)
+
+
+def main() -> int:
+    def extra(parser: Any) -> None:
+        parser.add_argument("--seed", type=int, default=0, help="first seed")
+        parser.add_argument("--seeds", type=int, default=3, help="seeds to run: seed, seed+1, ...")
+        parser.add_argument("--faults", type=int, default=0, help="default 21 (quick: 8)")
+
+    args = parse_args(__doc__, extra)
+    reports, verdicts = [], []
+    for seed in range(args.seed, args.seed + max(1, args.seeds)):
+        cfg = SoakConfig(n_faults=args.faults or (8 if args.quick else 21), seed=seed)
+        rep, ok = soak_one(cfg, args.quick)
+        rep.print()
+        reports.append(rep.to_dict())
+        verdicts.append(ok)
+        print(f"seed {seed}: {'passed' if ok else 'FAILED'}")
+    if args.json_path:
+        write_json(args.json_path, {"title": "Chaos soak over seeds", "seeds": reports,
+                                    "passed": verdicts})
+    print("SOAK PASSED" if all(verdicts) else "SOAK FAILED")
+    return 0 if all(verdicts) else 1
 
 
 if __name__ == "__main__":
