@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")
 _INT32 = (-2**31, 2**31)
+_INT64 = (-2**63, 2**63)
 
 
 def state_enum(name: str) -> int:
@@ -44,6 +45,16 @@ def set_layout(message: Any, doc: Any) -> None:
             setattr(message, key, value)
 
 
+def _fit(value: Any, bounds: tuple[int, int], what: str) -> int:
+    """An int for a proto field; a stored value outside the field's range (a job stored before
+    submissions were checked) is clamped and logged, so one bad row cannot fail every listing."""
+    number = int(value or 0) if not isinstance(value, bool) else int(value)
+    if bounds[0] <= number < bounds[1]:
+        return number
+    logger.warning("%s=%d does not fit its wire type; sent clamped", what, number)
+    return max(bounds[0], min(number, bounds[1] - 1))
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -51,11 +62,13 @@ def _number(value: Any) -> float | None:
 def job_message(record: JobRecord, status: dict[str, Any], target_nodes: int) -> pb.Job:
     spec = json.loads(record.spec_json)
     msg = pb.Job(job_id=record.job_id, name=record.name, state=state_enum(record.state),
-                 step=int(status.get("step") or 0), total_steps=int(spec["train"]["steps"]),
-                 world_size=int(status.get("world_size") or 0),
-                 restarts=int(status.get("restarts") or 0),
-                 lost_steps=int(status.get("lost_steps") or 0), cause=record.cause,
-                 checkpoint_uri=record.checkpoint_uri, target_nodes=target_nodes,
+                 step=_fit(status.get("step"), _INT64, "step"),
+                 total_steps=_fit(spec["train"]["steps"], _INT64, "train.steps"),
+                 world_size=_fit(status.get("world_size"), _INT32, "world_size"),
+                 restarts=_fit(status.get("restarts"), _INT32, "restarts"),
+                 lost_steps=_fit(status.get("lost_steps"), _INT64, "lost_steps"),
+                 cause=record.cause, checkpoint_uri=record.checkpoint_uri,
+                 target_nodes=_fit(target_nodes, _INT32, "target_nodes"),
                  spec_json=record.spec_json)
     if _number(status.get("loss")) is not None:
         msg.loss = _number(status["loss"])

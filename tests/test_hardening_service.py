@@ -208,3 +208,17 @@ def test_fuzzed_submissions_are_ok_or_invalid_and_rss_stays_bounded(server: dict
     print(f"fuzz: {STATS['n']} submissions, slowest reply {STATS['worst_s']:.3f}s, "
           f"RSS growth {growth / 2**20:.1f} MiB")
     assert STATS["n"] >= 1000 and growth < 200 << 20
+
+
+def test_a_stored_job_with_an_out_of_range_number_cannot_break_listing(tmp_path: Path) -> None:
+    """A row stored before submissions were checked (train.steps = 2**63) still lists."""
+    from orchestrator.store import JobStore
+    from orchestrator.wire import job_message
+
+    store = JobStore(tmp_path)
+    try:
+        record = store.add_job("old-1", "old", json.dumps({"train": {"steps": 2**63}}), "file:///x")
+        msg = job_message(record, {"world_size": 2**40}, 1)
+        assert msg.total_steps == 2**63 - 1 and msg.world_size == 2**31 - 1
+    finally:
+        store.close()
