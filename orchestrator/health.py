@@ -8,29 +8,34 @@ those throughputs across the job's ranks.
 Windows. A window closes at the first heartbeat poll at which both hold:
 - at least `WINDOW_HEARTBEATS` heartbeat intervals passed since it opened (so a window spans
   several polls and one noisy poll cannot decide), and
-- every rank of the group reported at least `MIN_WINDOW_STEPS` new steps in it (so jobs with
+- at least `MIN_WINDOW_STEPS` steps were reported by every rank of the group (so jobs with
   long steps get windows of a few steps, never a score from a single step).
-A rank's window throughput is tokens over busy seconds summed over the window (the harmonic
-mean of its per-step `rank_tokens_per_s`, since a rank processes the same tokens every step),
-which damps per-step jitter. The first step after (re)start is skipped: it includes warm-up.
+A step reported by only some ranks so far waits for the next window. The first step after
+(re)start is skipped: it includes warm-up.
 
-Score. score = window throughput ÷ the median of the job's ranks' window throughputs, taking
-the *high* median for an even count. With two ranks the ordinary median is the mean of both,
-so a straggler would drag its own reference down (1.5× slower would score 0.8, not 0.67); the
-high median keeps the reference at the healthy rank.
+Score. Each step is scored on its own first: a rank's throughput ÷ the median of that step's
+throughputs across ranks, taking the *high* median for an even count (with two ranks the
+ordinary median is the mean of both, so a straggler would drag its own reference down; the
+high median keeps the reference at the healthy rank). A rank's window score is the median of
+its step scores. Why per step, then median: ranks step together, so whatever slows every rank
+at once (a shared, loaded host; a slow data read) cancels within the step; and a step in
+which one rank was descheduled is one outlier that the median ignores. On 4 ranks sharing 2
+loaded cores a per-step score wanders by ±0.3-1.0, which sank the old window throughput
+(tokens over busy seconds) score; bench/straggler_bench.py has the traces.
 
-Decision. `StragglerPolicy` (pure) tests the recent windows, not each window on its own: a rank
-is a straggler when the mean of its last `WINDOWS` (3) scores is below `straggler_threshold`
-*and* significantly below the healthy level, i.e. below 1 - z·σ/√k, where σ is the window
-noise measured on the other ranks (the pooled spread of their recent scores around their own
-means, at least `NOISE_FLOOR`). One noisy window can no longer break a detection ("below the
-threshold in 3 consecutive windows" did, on every noisy window), and one noisy window cannot
-raise one either. False-alarm rate it is tuned for: z = 3.09, so a healthy rank whose window
-scores are Gaussian around 1 with the measured σ crosses the noise bound with probability
-1e-3 per window; the threshold then adds the user's margin (with σ = 0.03 a healthy mean of 3
-windows sits 5.8 σ above 0.9). A rank k× slower scores 1/k, so the threshold t detects
-slowdowns above 1/t (0.9 -> more than 1.11×); bench/straggler_bench.py measured the default on
-4 ranks sharing 2 cores (README's Performance table). Its action comes from
+Decision. `StragglerPolicy` (pure) tests the recent windows together, not each on its own: a
+rank is a straggler when the median of its last `WINDOWS` (3) scores is below
+`straggler_threshold` *and* significantly below the healthy level, i.e. below
+1 - z·1.25·σ/√k, where σ is one window's noise measured on the other ranks (a robust spread,
+1.4826 × the median absolute deviation of their recent scores around their own medians, at
+least `NOISE_FLOOR`) and 1.25/√k the spread of a median of k. So one noisy window can neither
+break a detection ("below the threshold in 3 consecutive windows" broke on every noisy
+window) nor raise one (a mean would follow it). False-alarm rate it is tuned for: z = 3.09,
+so a healthy rank whose window scores scatter around 1 with the measured σ (Gaussian) crosses
+the noise bound with probability 1e-3 per window; the threshold adds the user's margin on top.
+A rank k× slower scores 1/k, so the threshold t detects slowdowns above 1/t (0.9 -> more than
+1.11×); bench/straggler_bench.py measured detection and false flags per threshold on 4 ranks
+sharing 2 cores (README, Stragglers). Its action comes from
 `fault_tolerance.straggler_action`: `ignore` (score metric only), `alert` (a `straggler` event
 and a warning; the default) or `evict` (the controller restarts the job without that rank's
 node and re-plans the layout; `policies.EvictionPolicy` decides whether it may).
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,10 +53,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 STRAGGLER_ACTIONS = ("ignore", "alert", "evict")
-WINDOWS = 3  # the mean of this many recent windows is tested
+WINDOWS = 3  # the median of this many recent windows is tested
 NOISE_WINDOWS = 10  # windows the noise estimate looks back over
 NOISE_Z = 3.09  # one-sided 1e-3 false-alarm bound per rank and window under Gaussian noise
 NOISE_FLOOR = 0.02  # scores are never trusted to be more exact than this
+MAD_TO_SIGMA = 1.4826  # median absolute deviation -> σ for Gaussian noise
+MEDIAN_SPREAD = 1.2533  # a median of k scores spreads 1.2533·σ/√k (a mean: σ/√k)
 WINDOW_HEARTBEATS = 2
 MIN_WINDOW_STEPS = 5
 
@@ -92,18 +100,18 @@ class StragglerPolicy:
         self.threshold, self.action, self.windows, self.z = threshold, action, windows, z
 
     def noise(self, history: Sequence[Mapping[int, float]], rank: int) -> float:
-        """σ of one window's score, pooled over the other ranks' recent windows."""
+        """σ of one window's score, from the other ranks' recent windows (robust: MAD)."""
         deviations = []
         for other in {r for w in history for r in w} - {rank}:
             series = [w[other] for w in history if other in w]
             if len(series) >= 2:
-                mean = sum(series) / len(series)
-                deviations += [(x - mean) ** 2 for x in series]
-        sigma = math.sqrt(sum(deviations) / len(deviations)) if deviations else 0.0
+                center = statistics.median(series)
+                deviations += [abs(x - center) for x in series]
+        sigma = MAD_TO_SIGMA * statistics.median(deviations) if deviations else 0.0
         return max(sigma, NOISE_FLOOR)
 
     def slow_ranks(self, history: Sequence[Mapping[int, float]]) -> dict[int, float]:
-        """{rank: mean of its last k scores} for the ranks the test flags."""
+        """{rank: median of its last k scores} for the ranks the test flags."""
         recent = list(history)[-self.windows:]
         if len(recent) < self.windows:
             return {}
@@ -111,10 +119,10 @@ class StragglerPolicy:
         for rank in recent[-1]:
             if not all(rank in w for w in recent):
                 continue
-            mean = sum(w[rank] for w in recent) / len(recent)
-            bound = 1.0 - self.z * self.noise(list(history)[-NOISE_WINDOWS:], rank) / math.sqrt(len(recent))
-            if mean < min(self.threshold, bound):
-                out[rank] = mean
+            middle = statistics.median(w[rank] for w in recent)
+            spread = MEDIAN_SPREAD * self.noise(list(history)[-NOISE_WINDOWS:], rank)
+            if middle < min(self.threshold, 1.0 - self.z * spread / math.sqrt(len(recent))):
+                out[rank] = middle
         return out
 
     def make_decision(self, history: Sequence[Mapping[int, float]]) -> StragglerDecision:
@@ -125,7 +133,7 @@ class StragglerPolicy:
         if not slow:
             return StragglerDecision("none", reason="every rank within the threshold and noise")
         found = tuple((rank, round(history[-1][rank], 4)) for rank in sorted(slow))
-        listed = ", ".join(f"rank {r} (mean {slow[r]:.2f})" for r, _ in found)
+        listed = ", ".join(f"rank {r} (median {slow[r]:.2f})" for r, _ in found)
         return StragglerDecision(self.action, found, f"{listed} below {self.threshold} × median "
                                  f"over the last {self.windows} windows, beyond the noise")
 
@@ -141,8 +149,10 @@ class StragglerFlag:
 @dataclass
 class _Window:
     opened_at: float
-    busy_per_token: dict[int, float] = field(default_factory=dict)  # sum of 1/tokens_per_s
-    steps: dict[int, int] = field(default_factory=dict)
+    rates: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> tokens/s
+
+    def complete(self, world_size: int) -> list[int]:
+        return [step for step, ranks in self.rates.items() if len(ranks) >= world_size]
 
 
 class StragglerTracker:
@@ -183,15 +193,16 @@ class StragglerTracker:
         self._window = window
         for record in records:
             self._add(window, record)
-        if now - window.opened_at < self.window_s or len(window.steps) < world_size or \
-                min(window.steps.values()) < self.min_steps:
+        complete = window.complete(world_size)
+        if now - window.opened_at < self.window_s or len(complete) < self.min_steps:
             return []
-        self._window = _Window(opened_at=now)
-        return self._close(window)
+        # steps some ranks have not reported yet are scored in the next window
+        self._window = _Window(now, {s: r for s, r in window.rates.items() if s not in complete})
+        return self._close([window.rates[s] for s in complete])
 
-    def _mean(self, rank: int) -> float:
+    def _recent(self, rank: int) -> float:
         recent = [w[rank] for w in list(self.history)[-self.policy.windows:] if rank in w]
-        return sum(recent) / len(recent) if recent else 1.0
+        return statistics.median(recent) if recent else 1.0
 
     def _add(self, window: _Window, record: Mapping[str, Any]) -> None:
         if record.get("event") != "step" or "rank" not in record:
@@ -202,21 +213,22 @@ class StragglerTracker:
             return
         if rate <= 0:
             return
-        window.busy_per_token[rank] = window.busy_per_token.get(rank, 0.0) + 1.0 / rate
-        window.steps[rank] = window.steps.get(rank, 0) + 1
+        window.rates.setdefault(int(record.get("step", 0)), {})[rank] = rate
 
-    def _close(self, window: _Window) -> list[StragglerFlag]:
-        throughputs = {rank: window.steps[rank] / busy
-                       for rank, busy in window.busy_per_token.items() if busy > 0}
-        self.scores = window_scores(throughputs)
+    def _close(self, steps: list[dict[int, float]]) -> list[StragglerFlag]:
+        per_rank: dict[int, list[float]] = {}
+        for rates in steps:
+            for rank, score in window_scores(rates).items():
+                per_rank.setdefault(rank, []).append(score)
+        self.scores = {rank: statistics.median(scores) for rank, scores in per_rank.items()}
         self.windows_closed += 1
         self.history.append(dict(self.scores))
         decision = self.policy.make_decision(self.history)
         current = {rank for rank, _ in decision.stragglers}
-        # An episode ends when the rank's recent mean is back above the threshold, so one
+        # An episode ends when the rank's recent median is back above the threshold, so one
         # fast window does not end it (and a second flag does not follow the next slow one).
         recovered = {r for r in self.flagged
-                     if r not in self.scores or self._mean(r) >= self.policy.threshold}
+                     if r not in self.scores or self._recent(r) >= self.policy.threshold}
         if recovered:
             logger.info("ranks %s are no longer stragglers", sorted(recovered))
         self.flagged -= recovered

@@ -29,6 +29,7 @@ from orchestrator.controller import Controller
 from orchestrator.spec import JobSpec, SpecError, apply_overrides, spec_from_dict
 from orchestrator.storage_roots import StorageRootError, StorageRoots, overlapping
 from orchestrator.store import JobRecord, JobStore, StoreError
+from workers.events import stamp
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,8 @@ class JobRunner:
             self.controller.run()
         except Exception as err:
             logger.exception("job %s: controller crashed", self.job_id)
-            self._on_event({"event": "state", "state": "FAILED", "job": self.job_id,
-                            "reason": f"controller error: {type(err).__name__}: {err}"})
+            self._on_event(stamp({"event": "state", "state": "FAILED", "job": self.job_id,
+                                  "reason": f"controller error: {type(err).__name__}: {err}"}))
         finally:
             if not self.detached:
                 try:
@@ -218,14 +219,14 @@ class JobManager:
             try:
                 spec = spec_from_dict(json.loads(record.spec_json))
             except (SpecError, ValueError) as err:
-                self.store.append_event(record.job_id, {
+                self.store.append_event(record.job_id, stamp({
                     "event": "state", "state": "FAILED", "job": record.job_id,
-                    "reason": f"cannot resume: the stored spec is no longer valid: {err}"})
+                    "reason": f"cannot resume: the stored spec is no longer valid: {err}"}))
                 continue
             with self._lock:
-                self.store.append_event(record.job_id, {
+                self.store.append_event(record.job_id, stamp({
                     "event": "resumed", "job": record.job_id, "was": record.state,
-                    "reason": "service restarted; continuing from the newest committed checkpoint"})
+                    "reason": "service restarted; continuing from the newest committed checkpoint"}))
                 runner = self._start(record.job_id, spec, record)
             logger.info("job %s resumed (was %s, target %d node(s))", record.job_id,
                         record.state, runner.controller.target_nodes)

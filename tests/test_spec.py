@@ -22,7 +22,7 @@ checkpoint: {uri: "file:///var/lib/tenax/ckpt/tiny-llama", every_steps: 20, keep
              keep_every: 0, async: true}
 resources: {nodes: 2, gpus_per_node: 2, min_nodes: 1, max_nodes: 4, device: auto}
 fault_tolerance: {heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, hang_timeout_s: 60.0,
-                  max_restarts: 10, straggler_threshold: 0.8}
+                  max_restarts: 10, straggler_threshold: 0.85}
 """
 
 
