@@ -54,12 +54,20 @@ class ChaosDriver:
         for e in self.events:
             if e.kind == "scale" and self._due(e, step):
                 self.fired.add(e.id)
-                self.controller.publish("chaos", kind=e.kind, detail=f"target nodes {e.nodes}")
-                self.controller.scale(e.nodes)
+                self._scale(e)
             elif e.kind == "corrupt-checkpoint" and self._due(e, step):
                 self.fired.add(e.id)
                 detail = corrupt_newest_checkpoint(self.controller.spec.checkpoint.uri)
                 self.controller.publish("chaos", kind=e.kind, detail=detail)
+
+    def _scale(self, e: ChaosEvent) -> None:
+        try:
+            self.controller.scale(e.nodes)
+        except ValueError as err:  # outside [min_nodes, max_nodes]: a drill, not a crash
+            logger.warning("chaos %s refused: %s", e.id, err)
+            self.controller.publish("chaos", kind=e.kind, detail=f"refused: {err}")
+            return
+        self.controller.publish("chaos", kind=e.kind, detail=f"target nodes {e.nodes}")
 
     def _node_losses(self, step: int) -> None:
         """A `kill node` drill took a node-sized block down: say so, as a cluster would."""

@@ -272,3 +272,42 @@ def test_chaos_validated_against_job():
         validate_for_job(parse_chaos("kill rank=4 at=3"), world=4, nodes=2, steps=10)
     with pytest.raises(ChaosError, match="train.steps=10"):
         validate_for_job(parse_chaos("kill rank=0 at=11"), world=4, nodes=2, steps=10)
+
+
+class _Doors:
+    """The entry points a chaos driver may use, recording what it asked for."""
+
+    def __init__(self) -> None:
+        self.calls, self.subscribers, self.ledger = [], [], "ledger"
+        self.spec = load_spec(overrides=["resources.max_nodes=2"])
+
+    def subscribe(self, callback) -> None:
+        self.subscribers.append(callback)
+
+    def scale(self, nodes: int) -> None:
+        if nodes > 2:
+            raise ValueError(f"nodes: {nodes} is outside [min_nodes=1, max_nodes=2]")
+        self.calls.append(("scale", nodes))
+
+    def report_node_lost(self, block: int, reason: str) -> None:
+        self.calls.append(("lost", block))
+
+    def publish(self, event: str, /, **fields) -> None:
+        self.calls.append((event, fields.get("detail")))
+
+
+def test_chaos_driver_acts_once_through_the_user_doors():
+    from orchestrator.chaos_driver import ChaosDriver
+
+    doors = _Doors()
+    driver = ChaosDriver(parse_chaos("scale nodes=2 at=5; scale nodes=9 at=6; kill node=1 at=8"))
+    driver.attach(doors)
+    for step in (3, 4, 4, 5, 6):
+        doors.subscribers[0]({"event": "step", "step": step})
+    doors.subscribers[0]({"event": "failure", "step": 6})  # before the kill's step: not it
+    doors.subscribers[0]({"event": "failure", "step": 7})
+    doors.subscribers[0]({"event": "failure", "step": 9})
+    assert doors.calls == [("scale", 2), ("chaos", "target nodes 2"),
+                           ("chaos", "refused: nodes: 9 is outside [min_nodes=1, max_nodes=2]"),
+                           ("lost", 1)]
+    assert driver.fired == {e.id for e in driver.events}
