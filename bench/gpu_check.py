@@ -220,7 +220,8 @@ def parity_world2(d: Driver) -> None:
     backend = "nccl" if d.device == "cuda" else "gloo"
     name = f"world2-{backend}-zero1"
     # NCCL reports two ranks on one device at its first collective; 60 s bounds a hang instead.
-    if run_parity(d, name, 2, backend, 1, *d.ref, timeout_s=60):
+    first_try = 60 if backend == "nccl" else WORKER_TIMEOUT_S
+    if run_parity(d, name, 2, backend, 1, *d.ref, timeout_s=first_try) or backend != "nccl":
         two_backend, label, zeros = backend, backend, (0, 2, 3)
     else:
         d.log("two ranks on one GPU: NCCL refused (it needs one device per rank); "
