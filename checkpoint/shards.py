@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from checkpoint.metadata_codec import (FORMAT, MetadataFormatError, ShardLocation,
                                        decode_metadata, dtype_from_name, encode_metadata)
-from checkpoint.storage import Storage, StorageError
+from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
 
