@@ -246,6 +246,8 @@ def layout_for(parallel: Mapping[str, Any], model: ModelArgs, global_batch_size:
             raise LayoutError(f"parallel.dp: auto cannot fill world size {world_size} with "
                               f"tp*pp*cp={fixed}")
         degrees["dp"] = world_size // fixed
+        logger.info("parallel.dp auto -> %d: fills world size %d with tp*pp*cp=%d",
+                    degrees["dp"], world_size, fixed)
     elif auto:
         raise LayoutError(f"parallel.{auto[0]}: 'auto' needs the planner (or a world size for dp)")
     layout = ParallelLayout(**degrees, zero=parallel["zero"],

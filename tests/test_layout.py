@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
-from workers.spec import layout_from_spec, load_spec
+from parallel.config import ModelArgs
+from parallel.layout import MESH_DIMS, LayoutError, ParallelLayout, degree_problems
+from workers.spec import SpecError, layout_from_spec, load_spec
 from tests.distributed import free_port, init_gloo, run_ranks, shutdown_gloo
 
 @st.composite
@@ -88,6 +89,36 @@ def test_validation_messages():
     moe = load_spec(overrides=["model.moe={num_experts: 6}"]).model.args()
     with pytest.raises(LayoutError, match=r"parallel.ep: 4 does not divide model.moe.num_experts=6"):
         ParallelLayout(dp=4, ep=4).validate(moe, 4)
+
+
+def test_spec_and_layout_check_one_rule_set():
+    """The spec's cross-field checks and the layout's validation are the same rules
+    (parallel.layout.degree_problems), so they reject alike, with the same words."""
+    model = load_spec().model.args()
+    with pytest.raises(SpecError) as spec_err:
+        load_spec(overrides=["parallel.tp=3"])
+    with pytest.raises(LayoutError) as layout_err:
+        ParallelLayout(dp=1, tp=3).validate(model, 3)
+    for err in (spec_err, layout_err):
+        assert "parallel.tp: 3 does not divide model.n_heads=8" in str(err.value)
+    with pytest.raises(SpecError, match="pp_virtual_stages: 2 needs pp_schedule"):
+        load_spec(overrides=["parallel.pp_virtual_stages=2"])
+    assert "pp_virtual_stages: 2 needs pp_schedule" in " ".join(
+        ParallelLayout(pp=2, pp_virtual_stages=2).problems(model))
+    # "auto" degrees are left to the planner; dp "auto" still checks micro_batch_size alone.
+    assert degree_problems(model, {"tp": "auto", "pp": "auto", "cp": "auto", "ep": "auto"}) == []
+    assert degree_problems(model, {"dp": "auto", "micro_batch_size": 5}, 32) == [
+        "parallel.micro_batch_size: 5 does not divide train.global_batch_size=32"]
+
+
+def test_model_args_are_built_from_the_spec():
+    spec = load_spec(overrides=["model.moe={num_experts: 4, top_k: 2}"])
+    args = spec.model.args()
+    assert isinstance(args, ModelArgs) and args.moe is not None and args.moe.num_experts == 4
+    assert ModelArgs.from_dict(args.to_dict()) == args
+    assert args.num_params() == spec.model.num_params() and args.head_dim == spec.model.head_dim
+    with pytest.raises(ValueError, match="unknown keys \\['dimm'\\]"):
+        ModelArgs.from_dict({"dimm": 8})
 
 
 def test_layout_from_spec_fills_auto_dp():

@@ -1,7 +1,10 @@
 """Model presets for `--model-preset`: the DESIGN.md example and the public Llama 3 shapes."""
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, seq_len=128,
