@@ -2,6 +2,7 @@
 full-sequence reference, and a whole model under CP against the single-process model."""
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from orchestrator.spec import ModelSpec
+from parallel.config import ModelArgs
 from parallel.context_parallel import (RingCommCounter, apply_cp, ring_attention, zigzag_gather,
                                        zigzag_indices, zigzag_split)
 from parallel.model import build_model, cross_entropy_sum
@@ -110,12 +111,12 @@ def test_ring_attention_matches_full_sequence(world: int, cp: int) -> None:
             assert counter.backward_bytes == 2 * (cp - 1) * block
 
 
-def tiny_spec() -> ModelSpec:
-    return ModelSpec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=SEQ,
+def tiny_spec() -> ModelArgs:
+    return ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=SEQ,
                      ffn_hidden=96)
 
 
-def _tokens(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens(spec: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED)
     data = torch.randint(0, spec.vocab_size, (B, spec.seq_len + 1), generator=g)
     return data[:, :-1], data[:, 1:]
@@ -124,7 +125,7 @@ def _tokens(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
 def _model_worker(rank: int, world: int, spec_json: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    spec = ModelSpec.model_validate_json(spec_json)
+    spec = ModelArgs.from_dict(json.loads(spec_json))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     group = mesh.get_group("cp")
     model = build_model(spec, SEED)
@@ -146,7 +147,7 @@ def _model_worker(rank: int, world: int, spec_json: str) -> dict[str, Any]:
 
 def test_model_under_cp_matches_single_process() -> None:
     spec, cp = tiny_spec(), 2
-    results = run_ranks(_model_worker, cp, spec.model_dump_json(), timeout_s=120)
+    results = run_ranks(_model_worker, cp, json.dumps(spec.to_dict()), timeout_s=120)
     reference = build_model(spec, SEED)
     tokens, targets = _tokens(spec)
     logits = reference(tokens)

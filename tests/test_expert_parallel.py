@@ -13,12 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from orchestrator.spec import DataSpec, ModelSpec, MoESpec
+from parallel.config import ModelArgs, MoEArgs
 from parallel.expert_parallel import (MoEFeedForward, MoEStats, apply_ep, is_expert_param,
                                       moe_aux_loss, moe_stats)
 from parallel.model import Transformer, build_model, cross_entropy_sum, init_weights
 from tests.distributed import run_ranks
 from workers.data import TokenDataLoader
+from workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)
@@ -29,7 +30,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 def make_layer(capacity_factor: float, num_experts: int = 4, top_k: int = 2, dim: int = 8,
                hidden: int = 12) -> MoEFeedForward:
-    layer = MoEFeedForward(dim, hidden, MoESpec(num_experts=num_experts, top_k=top_k,
+    layer = MoEFeedForward(dim, hidden, MoEArgs(num_experts=num_experts, top_k=top_k,
                                                 capacity_factor=capacity_factor))
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -119,14 +120,14 @@ def test_aux_loss_is_one_when_router_is_uniform_and_stats_add() -> None:
 
 
 # ---- expert parallelism ------------------------------------------------------------------------
-def ep_spec(capacity_factor: float) -> ModelSpec:
-    return ModelSpec(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, seq_len=8,
-                     ffn_hidden=24, moe=MoESpec(num_experts=4, top_k=2,
+def ep_spec(capacity_factor: float) -> ModelArgs:
+    return ModelArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, seq_len=8,
+                     ffn_hidden=24, moe=MoEArgs(num_experts=4, top_k=2,
                                                 capacity_factor=capacity_factor,
                                                 aux_loss_coef=0.1))
 
 
-def rank_chunk(rank: int, spec: ModelSpec, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_chunk(rank: int, spec: ModelArgs, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     seqs = torch.randint(0, spec.vocab_size, (batch, spec.seq_len + 1), generator=gen)
     return seqs[:, :-1], seqs[:, 1:]
@@ -172,7 +173,7 @@ def _ep_rank(rank: int, world: int, ep: int, capacity_factor: float) -> dict[str
             "stats": moe_stats(model)}
 
 
-def check_bytes(result: dict[str, Any], spec: ModelSpec, ep_rank: int, ep: int) -> None:
+def check_bytes(result: dict[str, Any], spec: ModelArgs, ep_rank: int, ep: int) -> None:
     """Dispatch bytes == kept assignments * dim * 4, with kept = sum_e min(n_e, C)."""
     tokens, moe = 2 * spec.seq_len, spec.moe
     capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
@@ -236,8 +237,8 @@ def test_ep_matches_single_process_reference(world: int, ep: int, capacity_facto
 
 # ---- the model ---------------------------------------------------------------------------------
 def test_transformer_with_moe_builds_and_trains() -> None:
-    spec = ModelSpec(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16,
-                     ffn_hidden=32, moe=MoESpec(num_experts=4, top_k=2, capacity_factor=1.25))
+    spec = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16,
+                     ffn_hidden=32, moe=MoEArgs(num_experts=4, top_k=2, capacity_factor=1.25))
     model = build_model(spec, SEED)
     assert all(isinstance(b.feed_forward, MoEFeedForward) for b in model.layers.values())
     assert sum(p.numel() for p in model.parameters()) == spec.num_params()

@@ -2,6 +2,7 @@
 and that the model actually learns."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -10,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.spec import DataSpec, ModelSpec
+from parallel.config import ModelArgs
 from parallel.model import (Attention, Transformer, build_model, cross_entropy_sum, init_weights,
                             param_seed, rotary_cos_sin)
 from tests.distributed import run_ranks
 from workers.data import TokenDataLoader
+from workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)
@@ -22,11 +24,11 @@ torch.set_num_threads(1)
 SEED = 1234
 
 
-def tiny_spec(**overrides: Any) -> ModelSpec:
+def tiny_spec(**overrides: Any) -> ModelArgs:
     base: dict[str, Any] = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64,
                                 seq_len=16, ffn_hidden=48)
     base.update(overrides)
-    return ModelSpec(**base)
+    return ModelArgs.from_dict(base)
 
 
 def assert_same_params(a: nn.Module, b: nn.Module) -> None:
@@ -236,7 +238,7 @@ def _dist_worker(rank: int, world: int, mode: str, spec_json: str) -> dict[str, 
     """One rank: build on meta, shard, materialise, init; return full params and logits."""
     from torch.distributed.tensor import DTensor
 
-    spec = ModelSpec.model_validate_json(spec_json)
+    spec = ModelArgs.from_dict(json.loads(spec_json))
     with torch.device("meta"):
         model = Transformer(spec)
     _shard(model, mode)
@@ -256,7 +258,7 @@ def test_sharded_init_and_forward_match_single_process(mode: str) -> None:
     """Sharded on meta then initialised in fresh processes (each with its own hash() salt), the
     gathered parameters and the logits equal the single-process model's."""
     spec = tiny_spec(n_layers=2)
-    results = run_ranks(_dist_worker, 2, mode, spec.model_dump_json(), timeout_s=120)
+    results = run_ranks(_dist_worker, 2, mode, json.dumps(spec.to_dict()), timeout_s=120)
     reference = build_model(spec, SEED)
     ref_params = dict(reference.named_parameters())
     expected = len(TP_PLAN_KEYS) * spec.n_layers if mode == "tp" else len(ref_params)
