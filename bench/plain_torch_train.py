@@ -42,6 +42,9 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # async_save's collectives run in a background thread: on the training group they would
+    # interleave with DDP's all-reduces (a hang), so checkpoints get a group of their own.
+    ckpt_group = dist.new_group(backend="gloo")
     from parallel.config import ModelArgs
     from parallel.model import build_model
 
@@ -64,7 +67,8 @@ def main() -> int:
             if pending is not None:
                 pending.result()
             state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-            pending = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"))
+            pending = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"),
+                                     process_group=ckpt_group)
         ends.append(time.perf_counter())
     if pending is not None:
         pending.result()

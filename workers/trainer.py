@@ -138,8 +138,12 @@ class Trainer:
     def _build_optimizer(self, kind: str) -> torch.optim.Optimizer:
         params, t = self.pm.optimizer_params(), self.spec.train
         if kind == "adamw":
+            # foreach on GPUs (one kernel per op for all tensors; per-tensor launches would
+            # dominate a large model's step); on CPU it buys nothing, and per-tensor ops keep
+            # every layout's arithmetic identical to the single-process run.
             return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=t.weight_decay, foreach=False)
+                                     weight_decay=t.weight_decay,
+                                     foreach=self.device.type == "cuda")
         if kind == "sgd":  # exact across layouts; used by parity tests on parameters
             return torch.optim.SGD(params, lr=t.lr, foreach=False)
         raise ValueError(f"optimizer: {kind!r} must be 'adamw' or 'sgd'")
