@@ -47,14 +47,10 @@ MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len
 
 
 def model_config(dims: dict[str, int]) -> Any:
-    """The engine's plain model config when it exists, else the pydantic ModelSpec."""
-    kwargs = {k: dims[k] for k in MODEL_KEYS}
-    try:
-        from parallel.config import ModelArgs
-    except ImportError:
-        from orchestrator.spec import ModelSpec
-        return ModelSpec(**kwargs)
-    return ModelArgs(**kwargs)
+    """The engine's plain model config (the engine never sees the pydantic spec)."""
+    from parallel.config import ModelArgs
+
+    return ModelArgs(**{k: dims[k] for k in MODEL_KEYS})
 
 
 @dataclass

@@ -104,7 +104,7 @@ def _valid_layouts() -> list[dict]:
                         if world_of(layout) > 4:
                             continue
                         full = ParallelLayout(micro_batch_size=1, **layout)
-                        if not full.problems(spec.model, full.world_size,
+                        if not full.problems(spec.model.args(), full.world_size,
                                              spec.train.global_batch_size):
                             out.append(layout)
     return out
