@@ -151,6 +151,20 @@ def test_tp_volume_matches_the_published_43_75_gib() -> None:
         6 * 100 * per_all_reduce)
 
 
+def test_tp_whole_step_adds_the_stage_ends_and_norm_grads() -> None:
+    """Embedding reduce-scatter + its backward all-gather, head all-gather + its backward
+    reduce-scatter (2 all-reduce equivalents), the vocab-sharded logits' all-gather
+    ((N-1)/N * b*s*V*dtype) and one all-reduce of the norms' partial grads."""
+    b, s, h, v, n, layers = 8, 32, 64, 128, 2, 2
+    act = b * s * h * 4
+    norms = (2 * layers + 1) * h * 4
+    comm = tp_comm(b, s, h, n, layers, 4, vocab=v, norm_grad_bytes=norms)
+    want = (4 * layers + 2) * 2 * (n - 1) / n * act + (n - 1) / n * b * s * v * 4 \
+        + 2 * (n - 1) / n * norms
+    assert comm.nbytes == pytest.approx(want)
+    assert comm.steps == (4 * layers + 2) * 2 + 1 + 2
+
+
 def test_dp_volume_per_zero_stage() -> None:
     g, n = 1e9, 8
     assert dp_comm(g, n, 0).nbytes == pytest.approx(2 * 7 / 8 * g)
@@ -158,6 +172,9 @@ def test_dp_volume_per_zero_stage() -> None:
     assert dp_comm(g, n, 2, microbatches=4).nbytes == pytest.approx(5 * 7 / 8 * g)
     assert dp_comm(g, n, 3).nbytes == pytest.approx(1.5 * 2 * 7 / 8 * g)
     assert dp_comm(g, n, 3, microbatches=4).nbytes == pytest.approx(9 * 7 / 8 * g)
+    # pipeline schedules run backward outside the micro-batch loop: ZeRO-2 reduces once
+    assert dp_comm(g, n, 2, microbatches=4, per_micro_batch=False).nbytes == pytest.approx(
+        2 * 7 / 8 * g)
 
 
 def test_pp_ep_cp_volumes() -> None:
@@ -170,6 +187,9 @@ def test_pp_ep_cp_volumes() -> None:
     cp = cp_comm(batch=2, seq=8192, kv_heads=8, head_dim=128, cp=4, layers=10, dtype_bytes=2)
     block = 2 * 2 * 2048 * 8 * 128 * 2
     assert (cp.nbytes, cp.steps) == (3 * 3 * block * 10, 3 * 3 * 10)
+    # a ring per micro-batch: same bytes (b is the whole batch), m times the latency steps
+    cp4 = cp_comm(2, 8192, 8, 128, 4, 10, 2, microbatches=4)
+    assert (cp4.nbytes, cp4.steps) == (cp.nbytes, 4 * cp.steps)
 
 
 def test_train_flops_per_token() -> None:
