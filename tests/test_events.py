@@ -34,6 +34,7 @@ EXAMPLES = {
     "started": {"step": 10, "rank": 0},
     "resumed": {"was": "RUNNING", "reason": "service restarted"},
     "rank_done": {"rank": 0},
+    "cancel_requested": {"reason": "CancelJob from 127.0.0.1"},
     "queued": {"reason": "priority 0 behind 2 jobs"},
     "admitted": {"reason": "4 GPUs free"},
     "shrunk": {"reason": "a priority 5 job needs 2 nodes"},

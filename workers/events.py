@@ -154,6 +154,7 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "resumed": lambda f: (f"The service restarted and resumes the job (it was "
                           f"{f.get('was', '?')}): {f.get('reason', '')}"),
     "rank_done": lambda f: f"Rank {f.get('rank', '?')} finished",
+    "cancel_requested": lambda f: "Cancel was requested" + (f": {f['reason']}" if f.get("reason") else ""),
     **{kind: _service(kind) for kind in SERVICE_KINDS},
 }
 KINDS = tuple(_RENDER)
