@@ -53,7 +53,7 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     per_rank = args.global_batch // world
     gen = torch.Generator().manual_seed(rank)
-    ends, pending = [], None
+    ends, cpu, pending = [], [], None
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, cfg.vocab_size, (per_rank, cfg.seq_len + 1), generator=gen)
         logits = model(tokens[:, :-1])
@@ -70,12 +70,15 @@ def main() -> int:
             pending = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"),
                                      process_group=ckpt_group)
         ends.append(time.perf_counter())
+        cpu.append(time.process_time())
     if pending is not None:
         pending.result()
     if rank == 0:
         steps = [b - a for a, b in zip(ends, ends[1:])]
+        cpu_steps = [b - a for a, b in zip(cpu, cpu[1:])]
         with open(args.json_path, "w") as f:
-            json.dump({"world": world, "step_s": steps, "median_step_s": statistics.median(steps[2:])}, f)
+            json.dump({"world": world, "step_s": steps, "median_step_s": statistics.median(steps[2:]),
+                       "cpu_step_s": cpu_steps, "mean_cpu_step_s": statistics.mean(cpu_steps[2:])}, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0

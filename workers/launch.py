@@ -145,7 +145,8 @@ def _step_record(result: Any, base: dict[str, Any]) -> dict[str, Any]:
     return {"event": "step", "step": result.step, "loss": result.loss,
             "tokens_per_s": result.tokens_per_s, **base,
             "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
-            "lr": result.lr, "step_s": result.step_s, "time": round(time.time(), 6)}
+            "lr": result.lr, "step_s": result.step_s, "time": round(time.time(), 6),
+            "cpu_time": round(time.process_time(), 6)}  # this rank's CPU seconds so far
 
 
 def _any_rank_says(flag: bool) -> bool:
