@@ -255,16 +255,14 @@ class Trainer:
         dimension is weighted by 1/size of it, so one all-reduce over the world counts every
         element exactly once, whatever mix of DP chunks, TP shards and FSDP shards there is.
         """
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
         lay = self.layout
         if lay.zero == 0 and lay.tp == lay.pp == lay.ep == 1:
             # Plain DDP: every rank holds every averaged grad, so the norm needs no collective.
-            for p in self.pm.parameters():
-                if p.grad is not None:
-                    total += local(p.grad).double().pow(2).sum()
+            total = self._sum_of_squares([(local(p.grad), 1.0) for p in self.pm.parameters()
+                                          if p.grad is not None])
         else:
-            for p, g in self._owned_grads():
-                total += g.double().pow(2).sum() * _replication_weight(p)
+            total = self._sum_of_squares([(g, _replication_weight(p))
+                                          for p, g in self._owned_grads()])
             dist.all_reduce(total)
         norm = total.sqrt().item()
         clip = self.spec.train.grad_clip
@@ -274,6 +272,15 @@ class Trainer:
                 for g in self._grads_to_scale():
                     g.mul_(coef)
         return norm
+
+    def _sum_of_squares(self, pieces: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+        """sum(weight * ||g||^2) in float64; each norm is one fp32 kernel over the grad (a
+        float64 copy of every grad cost more than the rest of the clipping)."""
+        if not pieces:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch.stack([torch.linalg.vector_norm(g) for g, _ in pieces]).double()
+        weights = torch.tensor([w for _, w in pieces], dtype=torch.float64, device=norms.device)
+        return (norms.pow(2) * weights).sum()
 
     def zero_grad(self) -> None:
         for dp in self.pm.dps:
