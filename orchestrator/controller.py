@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -48,6 +49,25 @@ PLACEMENT_ERRORS = (PlacementError, ray.exceptions.RayError, TimeoutError)
 __all__ = ["Controller", "JobState"]
 
 
+@dataclass
+class Recovery:
+    """What RECOVERING decides from: the failure, rank health when it was decided (heartbeat
+    ages must not keep growing while nobody polls), node-lost reports, node probes."""
+    failure: Decision | None = None
+    health: tuple[Any, ...] = ()
+    failed_at: float | None = None  # the first failure since the last resumed step
+    reported_lost: set[int] = field(default_factory=set)
+    probes: NodeProbes = field(default_factory=NodeProbes)
+
+
+@dataclass
+class Rescaling:
+    """A planned re-plan in flight: the layout it leaves and when it began."""
+    old: ParallelLayout | None = None
+    since: float = 0.0
+    stopped: bool = False  # every rank stopped at the boundary: the next start is `scaled`
+
+
 class Controller:
     def __init__(self, spec: JobSpec, chaos: list[Any] | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
@@ -63,18 +83,13 @@ class Controller:
         self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
         self._target_nodes, self.cancel_requested = spec.resources.nodes, False
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
-        self.failure: Decision | None = None
-        self.failure_health: tuple[Any, ...] = ()  # rank health when the failure was decided
-        self.failed_at: float | None = None
-        self.reported_lost: set[int] = set()
-        self.probes = NodeProbes()
+        self.recovery = Recovery()
         self.rank_faults: list[dict[str, Any]] = []  # drills the ranks inject (chaos driver)
         self.ledger: Any = None
         self.head_node = ""
         self.goodput = Goodput(self.state_since)
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
-        self.rescale_from: tuple[ParallelLayout, float] | None = None
-        self.scale_pending: dict[str, Any] | None = None
+        self.rescaling = Rescaling()
         self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
         self.new_flags: tuple[StragglerFlag, ...] = ()
         # Called after every heartbeat poll with (controller, records), e.g. metrics.observe.
@@ -154,15 +169,15 @@ class Controller:
             elif isinstance(request, NodeLostReport):
                 logger.warning("job %s: node block %d reported lost: %s", self.job_id,
                                request.block, request.reason)
-                self.reported_lost.add(request.block)
+                self.recovery.reported_lost.add(request.block)
 
     def _observe(self) -> list[dict[str, Any]]:
         """Gather this state's facts: heartbeats and records, or node probe answers."""
         interval = self.spec.fault_tolerance.heartbeat_interval_s
         if self.state == JobState.RECOVERING:
-            if not self.probes.started:
-                self.probes.start(NodeLossPolicy().suspects(self._snapshot()))
-            self.probes.collect(interval)
+            if not self.recovery.probes.started:
+                self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()))
+            self.recovery.probes.collect(interval)
             return []
         if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:
             return []
@@ -177,9 +192,10 @@ class Controller:
         return records
 
     def _snapshot(self) -> JobSnapshot:
-        now, failure = time.monotonic(), self.failure
+        now, rec = time.monotonic(), self.recovery
+        failure = rec.failure
         recovering = self.state == JobState.RECOVERING
-        ranks = self.failure_health if recovering else \
+        ranks = rec.health if recovering else \
             tuple(self.group.health()) if self.group is not None else ()
         capacity = 0
         evicting = any(f.action == "evict" for f in self.new_flags)
@@ -196,8 +212,8 @@ class Controller:
             target_nodes=self._target_nodes,
             failed_ranks=failure.failed_ranks if failure else (),
             known_lost=failure.lost_nodes if failure else (),
-            reported_lost=tuple(sorted(self.reported_lost)), probed=tuple(self.probes.refs),
-            answered=tuple(self.probes.answered), refused=tuple(self.probes.refused),
+            reported_lost=tuple(sorted(rec.reported_lost)), probed=tuple(rec.probes.refs),
+            answered=tuple(rec.probes.answered), refused=tuple(rec.probes.refused),
             failure_reason=failure.reason if failure else "")
 
     def _idle(self) -> None:
@@ -285,9 +301,10 @@ class Controller:
 
     def _on_failure(self, decision: Decision) -> None:
         """RESTART and FAIL: report the root cause; keep the facts RECOVERING decides from."""
-        self.failure, self.failed_at = decision, self.failed_at or time.monotonic()
-        self.failure_health = tuple(self.group.health()) if self.group is not None else ()
-        self.probes.reset()
+        rec = self.recovery
+        rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
+        rec.health = tuple(self.group.health()) if self.group is not None else ()
+        rec.probes.reset()
         if decision.failed_ranks:
             self.publish("failure", step=self.max_step_seen, rank=decision.failed_ranks[0],
                          ranks=list(decision.failed_ranks), cause=decision.reason,
@@ -301,7 +318,7 @@ class Controller:
                      lost_steps=self.lost_steps, goodput=self.goodput.summary(), **extra)
 
     def _begin_rescale(self, decision: Decision) -> None:
-        self.rescale_from = (self.layout, time.monotonic())
+        self.rescaling.since, self.rescaling.old = time.monotonic(), self.layout
         for h in self.group.ranks:
             h.actor.request_stop.remote()
 
@@ -309,8 +326,7 @@ class Controller:
         """REPLAN: after RESCALING the ranks stopped cleanly; after RECOVERING drop the lost
         nodes and count the restart."""
         if self.state == JobState.RESCALING:
-            old, _ = self.rescale_from
-            self.scale_pending = {"from": old.degrees(), "from_world": old.world_size}
+            self.rescaling.stopped = True
             return
         for node, slots in decision.lost_nodes:
             self.lost_slots[node] = self.lost_slots.get(node, 0) + slots
@@ -318,8 +334,8 @@ class Controller:
                 self.group.mark_lost(node)
             logger.warning("job %s: node %s lost (%d slot(s))", self.job_id, node[:8], slots)
         self.restarts += 1
-        self.reported_lost.clear()
-        self.probes.reset()
+        self.recovery.reported_lost.clear()
+        self.recovery.probes.reset()
 
     def _stop_group(self) -> None:
         if self.group is not None:
@@ -349,13 +365,15 @@ class Controller:
         self.publish(record["event"], **{k: v for k, v in record.items() if k not in ("event", "rank")})
 
     def _on_started(self, record: dict[str, Any]) -> None:
-        if self.scale_pending is not None and self.rescale_from is not None:
-            self.publish("scaled", step=record["step"], **self.scale_pending,
-                         layout=self.layout.degrees(), world_size=self.layout.world_size,
-                         seconds=round(time.monotonic() - self.rescale_from[1], 3),
+        rescaled, rec = self.rescaling, self.recovery
+        if rescaled.stopped and rescaled.old is not None:
+            self.publish("scaled", step=record["step"], **{"from": rescaled.old.degrees()},
+                         from_world=rescaled.old.world_size, layout=self.layout.degrees(),
+                         world_size=self.layout.world_size,
+                         seconds=round(time.monotonic() - rescaled.since, 3),
                          lost_steps=max(0, self.max_step_seen - record["step"]))
-            self.scale_pending = self.rescale_from = None
-        if self.failed_at is None:
+            self.rescaling = Rescaling()
+        if rec.failed_at is None:
             return
         resumed = record["step"]
         lost = max(0, self.max_step_seen - resumed)
@@ -363,8 +381,8 @@ class Controller:
         self.goodput.lost_steps(lost)
         self.publish("recovered", step=resumed, layout=self.layout.degrees(),
                      world_size=self.layout.world_size, lost_steps=lost,
-                     seconds=round(time.monotonic() - self.failed_at, 3))
-        self.failed_at = None
+                     seconds=round(time.monotonic() - rec.failed_at, 3))
+        rec.failed_at = None
 
     # ---- capacity and status -----------------------------------------------------------------
     def capacity(self) -> Capacity:

@@ -271,7 +271,7 @@ def test_cli_client_against_the_server(server, tmp_path):
     assert re.fullmatch(r"cli-[0-9a-f]{8}", job_id)
     done = run_cli(["watch", job_id, *base], env)
     assert done.returncode == 0, done.stderr
-    assert "step 6" in done.stdout and "state SUCCEEDED" in done.stdout.splitlines()[-1]
+    assert "Step 6 done" in done.stdout and "The job is SUCCEEDED" in done.stdout.splitlines()[-1]
     done = run_cli(["status", job_id, "--json", *base], env)
     doc = json.loads(done.stdout)
     assert doc["state"] == "SUCCEEDED" and doc["step"] == 6 and doc["total_steps"] == 6
