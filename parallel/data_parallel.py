@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 4 * 2**20
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default: on gloo every extra collective is a sync
 # torch 2.13 renamed these; older torch (2.11 on the lent GPU hosts) has only the old names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
