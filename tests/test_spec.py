@@ -11,6 +11,7 @@ from orchestrator.spec import JobSpec, SpecError, load_spec
 
 DESIGN_EXAMPLE = """
 name: tiny-llama
+priority: 0
 model: {dim: 256, n_layers: 4, n_heads: 8, n_kv_heads: 4, vocab_size: 512, seq_len: 128,
         ffn_hidden: 688, moe: null}
 parallel: {dp: auto, tp: 1, pp: 1, cp: 1, ep: 1, zero: 1, pp_schedule: 1f1b,
@@ -19,8 +20,9 @@ train: {steps: 200, global_batch_size: 32, lr: 3.0e-4, warmup_steps: 20, weight_
         grad_clip: 1.0, seed: 0, dtype: float32}
 data: {source: synthetic, token_dtype: uint16}
 checkpoint: {uri: "file:///var/lib/tenax/ckpt/tiny-llama", every_steps: 20, keep_last: 3,
-             keep_every: 0, async: true}
-resources: {nodes: 2, gpus_per_node: 2, min_nodes: 1, max_nodes: 4, device: auto}
+             keep_every: 0, async: true, memory_every_steps: 1}
+resources: {nodes: 2, gpus_per_node: 2, min_nodes: 1, max_nodes: 4, device: auto,
+            queue_timeout_s: null, preemptible: false}
 fault_tolerance: {heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, hang_timeout_s: 60.0,
                   max_restarts: 10, straggler_threshold: 0.85}
 """

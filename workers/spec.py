@@ -184,6 +184,8 @@ class CheckpointSpec(_Strict):
     keep_last: int = Field(3, ge=1)
     keep_every: int = Field(0, ge=0)
     async_: bool = Field(True, alias="async")
+    # In-memory snapshot (the rank's agent + a peer node's agent) every N steps; 0 = off.
+    memory_every_steps: int = Field(1, ge=0)
 
 
 class ResourcesSpec(_Strict):
@@ -192,6 +194,10 @@ class ResourcesSpec(_Strict):
     min_nodes: int = Field(1, ge=1)
     max_nodes: int = Field(4, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Service scheduling: how long a job may wait in QUEUED (None = no limit), and whether it
+    # may be stopped at a checkpoint boundary and requeued for a more urgent job.
+    queue_timeout_s: float | None = Field(None, gt=0)
+    preemptible: bool = False
 
     @model_validator(mode="after")
     def _node_range(self) -> "ResourcesSpec":
@@ -225,6 +231,7 @@ class FaultToleranceSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field("tiny-llama", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    priority: int = Field(0, ge=-1000, le=1000)  # service scheduling: higher first, then FIFO
     model: ModelSpec = Field(default_factory=ModelSpec)
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
