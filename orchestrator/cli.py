@@ -39,17 +39,24 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 # ---- tenax plan ----------------------------------------------------------------------------
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     from parallel.cost_model import ZERO_NAMES, zero_stage_ledgers
+    from parallel.host_memory import ledger_snapshot_bytes, node_snapshot_footprint
 
     ledgers = zero_stage_ledgers(args.params_b * 1e9, args.world)
+    snap = {z: node_snapshot_footprint(ledger_snapshot_bytes(led), args.gpus_per_node, args.world,
+                                       1).to_dict() for z, led in ledgers.items()}
     doc = {"params_b": args.params_b, "world": args.world, "bytes_per_param": 16,
-           "stages": {ZERO_NAMES[z]: {"zero": z, **led.to_dict()} for z, led in ledgers.items()}}
+           "stages": {ZERO_NAMES[z]: {"zero": z, **led.to_dict(), "snapshot_memory": snap[z]}
+                      for z, led in ledgers.items()}}
     if args.json:
         _print_json(doc)
         return 0
-    rows = [[name, s["params_gib"], s["grads_gib"], s["optimizer_gib"], s["model_states_gib"]]
+    rows = [[name, s["params_gib"], s["grads_gib"], s["optimizer_gib"], s["model_states_gib"],
+             s["snapshot_memory"]["per_node"]["steady"], s["snapshot_memory"]["per_node"]["peak"]]
             for name, s in doc["stages"].items()]
     _table(f"Model states per GPU: {args.params_b}B params, {args.world} GPUs, bf16 + AdamW",
-           ["stage", "params GiB", "grads GiB", "optimizer GiB", "total GiB"], rows)
+           ["stage", "params GiB", "grads GiB", "optimizer GiB", "total GiB",
+            "snap/node", "snap peak/node"], rows)
+    print(f"snap: host memory of {snap[1]['what']}, {args.gpus_per_node} GPUs per node")
     return 0
 
 
@@ -89,6 +96,7 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
 
 def cmd_plan_layout(args: argparse.Namespace) -> int:
     from orchestrator.spec import load_spec, plan_for_spec
+    from parallel.host_memory import snapshot_footprint
     from parallel.planner import plan_layout
 
     options, mem_gib = _gpu_options(args)
@@ -105,6 +113,9 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
         result = plan_layout(spec.model.args(), args.gpus, args.gpus_per_node, mem_gib,
                              global_batch_size=args.global_batch_size, fixed=fixed, **options)
     doc = result.to_dict()
+    doc["snapshot_memory"] = snapshot_footprint(
+        spec.model.args(), result.layout, args.gpus_per_node, spec.checkpoint.memory_every_steps,
+        spec.train.dtype).to_dict()
     if args.json:
         _print_json(doc)
         return 0
@@ -139,6 +150,8 @@ def _print_plan(doc: dict[str, Any]) -> None:
                     f"(assumes {100 * doc['hardware']['mfu_assumed']:.0f}% of peak while computing)")
     for warning in doc["warnings"]:
         Console().print(f"[yellow]warning[/yellow]: {warning}")
+    if "snapshot_memory" in doc:
+        Console().print(doc["snapshot_memory"]["summary"], markup=False)
     rows = [[best["describe"], best["memory"]["total_gib"], best["step_time"]["total_s"],
              best["tokens_per_s"], "chosen"]]
     rows += [[r["describe"], r["memory"]["total_gib"], r["step_time"]["total_s"],
@@ -169,6 +182,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = plan.add_parser("memory", help="model-state memory per GPU for each ZeRO stage")
     p.add_argument("--params-b", type=float, required=True, help="parameters, in billions")
     p.add_argument("--world", type=int, required=True, help="data-parallel GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="for the in-memory snapshots' host memory per node (default 8)")
     p.set_defaults(func=cmd_plan_memory)
     p = plan.add_parser("comm", help="TP communication per rank per step")
     for flag in ("--batch", "--seq", "--hidden", "--tp", "--layers"):
