@@ -73,7 +73,7 @@ from checkpoint.catalog import Catalog, CatalogError, spec_hash, version_name
 from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
                                StateProviderError)
 from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
-from checkpoint.planning import PlanCache, dist_on, plan_save
+from checkpoint.planning import PlanCache, all_ranks_agree, dist_on, plan_save
 from checkpoint.metadata_codec import FORMAT
 from checkpoint.shards import byte_view
 from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
@@ -170,14 +170,7 @@ class CheckpointManager:
             raise CheckpointError(f"world size {self.world} needs an initialized process group")
 
     def _agree(self, ok: bool) -> bool:
-        """True only if every rank says ok (one tiny all-reduce)."""
-        if not dist_on():
-            return ok
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return all_ranks_agree(ok)
 
     # ---- save ----------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -374,27 +367,32 @@ class CheckpointManager:
         self.close()
 
     # ---- load ----------------------------------------------------------------------------
-    def load(self, layout: Any = None) -> int | None:
+    def load(self, layout: Any = None, source_uri: str | None = None) -> int | None:
         """Load the newest intact committed version into this rank's layout (collective).
 
         Returns its step, or None when nothing is committed. `layout`, if given, must be the
         layout the trainer was built for (a reminder that resharding happens here).
+        `source_uri`: read there instead of checkpoint.uri (an assembled in-memory snapshot).
         """
         self._check_usable()
         check_layout(layout, self.state.describe().get("parallel", {}))
         self._finish_previous(warn=False)
         t0 = time.monotonic()
-        manifest = choose_version(self.catalog, self.rank, self.world)
+        catalog = self.catalog if source_uri is None else \
+            Catalog(Storage(source_uri, timeout_s=self.timeout_s))
+        manifest = choose_version(catalog, self.rank, self.world)
         if manifest is None:
             return None
-        check_manifest(manifest, self.storage.url(version_name(manifest.step)), self.model_hash,
+        check_manifest(manifest, catalog.storage.url(version_name(manifest.step)), self.model_hash,
                        self.state.describe()["seed"])
         state = self.state.state_for_load()
-        load_into(self.catalog, manifest, state)
+        load_into(catalog, manifest, state)
         self.state.apply_loaded(state, step=manifest.lr_step, data_cursor=manifest.data_cursor)
-        self._protect.add(manifest.step)
+        if source_uri is None:  # a snapshot's step may still be missing from storage
+            self._protect.add(manifest.step)
         self._record({"event": "checkpoint_loaded", "step": manifest.step,
                       "seconds": round(time.monotonic() - t0, 6), "from_layout": manifest.layout,
                       "layout": self.state.describe()["layout"], "world_size": self.world,
-                      "from_world_size": manifest.world_size})
+                      "from_world_size": manifest.world_size,
+                      "source": "storage" if source_uri is None else "memory"})
         return manifest.step

@@ -64,6 +64,17 @@ def max_across_ranks(value: int) -> int:
     return int(flag.item())
 
 
+def all_ranks_agree(ok: bool) -> bool:
+    """True only if every rank says ok (one tiny all-reduce; `ok` alone without a group)."""
+    if not dist_on():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 @contextlib.contextmanager
 def single_process_quiet() -> Iterator[None]:
     """DCP warns on every call without a process group; world-1 providers use none on purpose."""

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.memory_recovery import MemoryStart
 from parallel.layout import ParallelLayout
 from workers.worker import RankRun, RankWorker
 
@@ -156,7 +157,8 @@ class WorkerGroup:
 
     # ---- run ---------------------------------------------------------------------------------
     def start(self, spec: dict[str, Any], chaos: list[dict[str, Any]], ledger: Any,
-              timeout_s: float, head_node: str = "") -> tuple[str, int]:
+              timeout_s: float, head_node: str = "",
+              memory: MemoryStart | None = None) -> tuple[str, int]:
         """Rendezvous on rank 0's node and (re)start every rank's training process."""
         self.stop_training(timeout_s)
         addr = self.ranks[0].ip
@@ -165,6 +167,10 @@ class WorkerGroup:
         for h in self.ranks:
             run = RankRun(spec, self.layout.to_dict(), h.rank, len(self.ranks), addr, port,
                           self.gpus_per_node, chaos, ledger, node_killable=h.node_id != head_node)
+            if memory is not None:
+                run = replace(run, job_id=memory.job_id, generation=memory.generation,
+                              restore_uri=memory.restore_uris.get(h.node_id),
+                              peer=self.peer_of(h.rank) if memory.snapshots else None)
             refs.append(h.actor.start.remote(run))
         attempts = ray.get(refs, timeout=timeout_s)
         now = time.monotonic()
@@ -172,6 +178,24 @@ class WorkerGroup:
             h.attempt, h.last_reply, h.step_seen_at = attempt, now, now
             h.n_events, h.pending, h.dead, h.status = 0, None, None, {}
         return addr, port
+
+    def peer_of(self, rank: int) -> Any:
+        """The agent holding `rank`'s replica: same slot, next node block (ring); None on one
+        node (a replica on the same node would die with it)."""
+        world, g = len(self.ranks), self.gpus_per_node
+        return None if world <= g else self.ranks[(rank + g) % world].actor
+
+    def live_actors(self) -> list[Any]:
+        """Every actor of every block not known dead (snapshot holders, old layout included)."""
+        return [h.actor for b in self.blocks if not b["lost"] for h in b["slots"] if h.dead is None]
+
+    def drop_snapshots(self, timeout_s: float) -> None:
+        """The job ended: one live agent per node removes the job's snapshots there."""
+        per_node = {h.node_id: h.actor for b in self.blocks for h in b["slots"]
+                    if h.dead is None and not b["lost"]}
+        refs = [actor.drop_snapshots.remote() for actor in per_node.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def stop_training(self, timeout_s: float) -> None:
         """Kill every slot's training process (not the actors): survivors stay warm."""

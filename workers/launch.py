@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -69,7 +70,8 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
              steps: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
              should_stop: Callable[[], bool] | None = None, resume: bool = True,
              storage_options: dict[str, Any] | None = None,
-             slow_factor: Callable[[], float] | None = None) -> dict[str, Any]:
+             slow_factor: Callable[[], float] | None = None,
+             memory: MemoryOptions | None = None) -> dict[str, Any]:
     """Train this rank until step `steps` (default train.steps); returns the last record.
 
     Resumes from the newest committed checkpoint (resharded into this layout), saves every
@@ -77,6 +79,8 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     Records: "started" (with the step it resumed at), "step", and checkpoint events, which go
     to `on_event` (default `on_step`). `should_stop` is polled at every step boundary; when any
     rank says stop, all save at that boundary and return {"event": "stopped", ...}.
+    `memory` (from the rank's agent): where per-step in-memory snapshots go, and an assembled
+    snapshot to resume from instead of storage (checkpoint/snapshot.py, restore.py).
     """
     import torch
 
@@ -94,7 +98,7 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
                        COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
     try:
         return _train(spec, layout, rank, world, on_step, on_event or on_step, steps,
-                      should_stop, resume, storage_options, slow_factor)
+                      should_stop, resume, storage_options, slow_factor, memory)
     finally:
         leave_process_group()
 
@@ -102,7 +106,8 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
 def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | None,
            emit: Callable | None, steps: int | None, should_stop: Callable[[], bool] | None,
            resume: bool, storage_options: dict[str, Any] | None,
-           slow_factor: Callable[[], float] | None = None) -> dict[str, Any]:
+           slow_factor: Callable[[], float] | None = None,
+           memory: MemoryOptions | None = None) -> dict[str, Any]:
     from checkpoint.manager import CheckpointManager
     from workers.events import stamp
     from workers.trainer import Trainer
@@ -116,29 +121,84 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
                 emit(stamp({**event, "rank": rank}))
 
     with CheckpointManager(spec, trainer, rank, world, storage_options=storage_options) as mgr:
-        resumed = mgr.load() if resume else None
+        resumed, source = _resume(mgr, memory) if resume else (None, None)
         report(mgr.drain_events())
+        snaps = _snapshotter(spec, mgr, rank, world, memory)
         if on_step is not None:
-            on_step(stamp({"event": "started", "step": trainer.step, "resumed_from": resumed, **base}))
+            on_step(stamp({"event": "started", "step": trainer.step, "resumed_from": resumed,
+                           "source": source, **base}))
         record: dict[str, Any] = {"event": "step", "step": trainer.step, "loss": None, **base}
         target, every = steps or spec.train.steps, spec.checkpoint.every_steps
-        while trainer.step < target:
-            if should_stop is not None and _any_rank_says(should_stop()):
-                mgr.save(trainer.step)  # skipped when this step is saved or resumed from
-                mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
+        try:
+            while trainer.step < target:
+                if should_stop is not None and _any_rank_says(should_stop()):
+                    mgr.save(trainer.step)  # skipped when this step is saved or resumed from
+                    mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
+                    report(mgr.drain_events())
+                    return {"event": "stopped", "step": trainer.step, **base}
+                if slow_factor is not None:  # chaos `slow`: this rank computes F times slower
+                    trainer.slow_factor = slow_factor()
+                record = _step_record(trainer.run_step(), base)
+                if on_step is not None:
+                    on_step(record)
+                if trainer.step % every == 0 or trainer.step == target:
+                    mgr.save(trainer.step)
+                if snaps is not None and snaps.due(trainer.step) and trainer.step < target:
+                    snaps.snapshot(trainer.step)
                 report(mgr.drain_events())
-                return {"event": "stopped", "step": trainer.step, **base}
-            if slow_factor is not None:  # chaos `slow`: this rank computes F times slower
-                trainer.slow_factor = slow_factor()
-            record = _step_record(trainer.run_step(), base)
-            if on_step is not None:
-                on_step(record)
-            if trainer.step % every == 0 or trainer.step == target:
-                mgr.save(trainer.step)
-            report(mgr.drain_events())
+        finally:
+            if snaps is not None:
+                snaps.close()
         mgr.close()
         report(mgr.drain_events())
     return record
+
+
+@dataclass
+class MemoryOptions:
+    """In-memory snapshots of one rank (set by its agent; picklable)."""
+    snapshot_dir: str | None = None  # where this rank's snapshots go (None: off)
+    generation: int = 0  # the controller's placement counter: pieces of one generation combine
+    restore_uri: str | None = None  # an assembled snapshot to resume from instead of storage
+    on_snapshot: Callable[[dict[str, Any]], None] | None = None  # told when one is complete
+
+
+def _snapshotter(spec: Any, mgr: Any, rank: int, world: int,
+                 memory: MemoryOptions | None) -> Any:
+    if memory is None or memory.snapshot_dir is None or spec.checkpoint.memory_every_steps <= 0:
+        return None
+    from checkpoint.planning import all_ranks_agree
+    from checkpoint.snapshot import MemorySnapshotter
+
+    return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
+                             memory.generation, all_ranks_agree, memory.on_snapshot)
+
+
+def _resume(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
+    """Load the assembled snapshot when every rank can read it; storage otherwise."""
+    from checkpoint.planning import all_ranks_agree
+
+    uri = memory.restore_uri if memory is not None else None
+    if uri is not None:
+        if all_ranks_agree(_readable(uri)):
+            step = mgr.load(source_uri=uri)
+            if step is not None:
+                return step, "memory"
+        logger.warning("the in-memory snapshot at %s is not readable on every rank; "
+                       "resuming from storage", uri)
+    step = mgr.load()
+    return step, ("storage" if step is not None else None)
+
+
+def _readable(uri: str) -> bool:
+    from checkpoint.catalog import Catalog
+    from checkpoint.storage import Storage, StorageError
+
+    try:
+        return bool(Catalog(Storage(uri, timeout_s=10.0)).committed_steps())
+    except (StorageError, OSError, ValueError) as exc:
+        logger.warning("cannot read %s: %s", uri, exc)
+        return False
 
 
 def _step_record(result: Any, base: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from workers.snapshot_keeper import SnapshotKeeper
+
 logger = logging.getLogger(__name__)
 
 PRELOAD = ["torch", "torch.distributed", "workers.launch", "workers.trainer", "parallel.parallelize"]
@@ -45,6 +47,10 @@ class RankRun:
     chaos: list[dict[str, Any]] = field(default_factory=list)
     ledger: Any = None
     node_killable: bool = False  # a `kill node` drill may kill this node's raylet
+    job_id: str = ""
+    generation: int = 0  # the controller's placement counter (snapshot series)
+    restore_uri: str | None = None  # an assembled in-memory snapshot to resume from
+    peer: Any = None  # the agent on the next node that holds this rank's replica
 
 
 @dataclass
@@ -61,7 +67,7 @@ class RankStatus:
     attempt: int = 0
 
 
-def _child_main(run: RankRun, conn: Any, control: Any) -> None:
+def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None) -> None:
     """Entry point of the training process (runs in a forkserver child).
 
     `control` carries requests from the actor: "stop" = commit a checkpoint at the next step
@@ -71,16 +77,28 @@ def _child_main(run: RankRun, conn: Any, control: Any) -> None:
     from workers.chaos_injector import ChaosInjector
     from workers.launch import run_rank
 
+    from workers.launch import MemoryOptions
+
+    lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
+
+    def send(message: tuple[str, Any]) -> None:
+        with lock:
+            conn.send(message)
+
     def claim(key: str) -> bool:
-        conn.send(("claim", key))
-        return bool(conn.recv())
+        with lock:
+            conn.send(("claim", key))
+            return bool(conn.recv())
 
     injector = ChaosInjector(run.chaos, run.rank, run.gpus_per_node, claim, run.node_killable)
 
     def on_record(record: dict[str, Any]) -> None:
-        conn.send(("record", record))
+        send(("record", record))
         if record.get("event") in ("step", "started"):
             injector.before_step(record["step"] + 1)
+
+    memory = MemoryOptions(snapshot_dir, run.generation, run.restore_uri,
+                           lambda event: send(("record", {**event, "rank": run.rank})))
 
     def should_stop() -> bool:
         return bool(control.poll())
@@ -88,10 +106,10 @@ def _child_main(run: RankRun, conn: Any, control: Any) -> None:
     try:
         record = run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
                           on_step=on_record, should_stop=should_stop,
-                          slow_factor=lambda: injector.slow_factor)
-        conn.send(("stopped" if record.get("event") == "stopped" else "done", None))
+                          slow_factor=lambda: injector.slow_factor, memory=memory)
+        send(("stopped" if record.get("event") == "stopped" else "done", None))
     except BaseException as err:  # every failure reaches the controller with its cause
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+        send(("error", f"{type(err).__name__}: {err}"))
 
 
 class RankWorker:
@@ -107,6 +125,7 @@ class RankWorker:
         self._ledger: Any = None
         self._control: Any = None
         self._attempt = 0
+        self.snapshots = SnapshotKeeper()
         threading.Thread(target=self._warm_up, daemon=True).start()
 
     def _warm_up(self) -> None:
@@ -145,11 +164,14 @@ class RankWorker:
         number, which tags every later heartbeat so stale answers can be told apart."""
         self.stop()
         self._ledger, self._attempt = run.ledger, self._attempt + 1
+        self.snapshots.configure(run.job_id, run.rank, run.peer)
         parent, child = self._ctx.Pipe()
         control_read, self._control = self._ctx.Pipe(duplex=False)
         # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
         # asks us to claim chaos events over the pipe instead.
-        proc = self._ctx.Process(target=_child_main, args=(replace(run, ledger=None), child, control_read),
+        proc = self._ctx.Process(target=_child_main,
+                                 args=(replace(run, ledger=None, peer=None), child, control_read,
+                                       self.snapshots.local_dir),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
         child.close()
@@ -203,6 +225,8 @@ class RankWorker:
             elif record.get("event") == "started":
                 self._status.step = record["step"]
             self._events.append(record)
+        if record.get("event") == "snapshot":
+            self.snapshots.replicate(record["generation"], record["rank"], record["step"])
 
     def _set(self, **changes: Any) -> None:
         with self._lock:
@@ -214,6 +238,23 @@ class RankWorker:
         with self._lock:
             return {**asdict(self._status), "events": self._events[since:],
                     "n_events": len(self._events), "time": time.time()}
+
+    # ---- in-memory snapshots (workers/snapshot_keeper.py) ----------------------------------
+    def snapshot_inventory(self) -> list[dict[str, Any]]:
+        return self.snapshots.inventory()
+
+    def read_snapshot(self, kind: str, generation: int, rank: int,
+                      step: int) -> tuple[str, dict[str, bytes]]:
+        return self.snapshots.read(kind, generation, rank, step)
+
+    def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
+        return self.snapshots.hold_replica(stamp_json, files)
+
+    def assemble_restore(self, key: str, *pieces: tuple[str, dict[str, bytes]]) -> str:
+        return self.snapshots.assemble(key, list(pieces))
+
+    def drop_snapshots(self) -> None:
+        self.snapshots.drop_job()
 
     def request_stop(self) -> None:
         """Ask the training process to checkpoint at the next step boundary and exit."""

@@ -1,0 +1,151 @@
+"""MemorySnapshotter: every step, this rank's training state into host memory its agent owns.
+
+What a snapshot holds is exactly what a storage checkpoint of the same step would: the shard
+file DCP planned for this rank (ZeRO-1/2 moments as the rank's own pieces), rank 0's JSON
+`.metadata`, and what the manifest needs (layout, data cursor, seed, LR step). So recovery
+assembles the pieces into an ordinary version directory and loads it through the same
+resharding path as storage (checkpoint/restore.py) — one implementation, not two.
+
+Off the critical path: `snapshot(step)` only plans (the plan is cached while shapes do not
+change; one tiny all-reduce confirms it on every rank) and starts a low-priority thread that
+copies the live tensors straight into the tmpfs file and checksums them. The state changes
+only inside the next `optimizer.step()`, so a hook there (`fence_before_update`) waits for
+the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol
+of snapshot_store.py makes a copy killed half-way invisible. `on_done(event)` is called from
+the copying thread once the snapshot is complete (the agent then replicates it to a peer).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from checkpoint.catalog import spec_hash
+from checkpoint.metadata_codec import FORMAT
+from checkpoint.planning import PlanCache, plan_save
+from checkpoint.shards import METADATA_NAME, byte_view
+from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
+from checkpoint.writer import WRITE_CHUNK, WRITER_NICE, write_all
+
+logger = logging.getLogger(__name__)
+
+FENCE_TIMEOUT_S = 120.0
+
+
+class MemorySnapshotter:
+    """One rank's per-step snapshots into `SnapshotDir(root)` (series g<generation>-r<rank>)."""
+
+    def __init__(self, spec: Any, state: Any, rank: int, world: int, root: str,
+                 generation: int, agree: Callable[[bool], bool],
+                 on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.spec, self.state, self.rank, self.world = spec, state, rank, world
+        self.store, self.generation = SnapshotDir(root), generation
+        self.agree, self.on_done = agree, on_done
+        self.every = spec.checkpoint.memory_every_steps
+        self._cache: PlanCache | None = None
+        self._thread: threading.Thread | None = None
+        self._fence: Any = None
+        self.failed = 0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def snapshot(self, step: int) -> None:
+        """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
+        self.wait()
+        self._drop_fence()
+        try:
+            planned, self._cache = plan_save(self.state, self.rank, self._cache, self.agree)
+        except Exception as exc:  # a snapshot is an optimisation: never stop training for it
+            self._cache, self.failed = None, self.failed + 1
+            logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
+            return
+        tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
+        commit = self._commit_info(step)
+        partial = self.store.begin(self.generation, self.rank, step)
+        done = threading.Event()
+        thread = threading.Thread(target=self._copy, daemon=True, name=f"snapshot-{step}",
+                                  args=(step, partial, planned.file, tensors,
+                                        planned.metadata_bytes, commit, done))
+        self._thread = thread
+        if hasattr(self.state, "fence_before_update"):
+            self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
+        thread.start()
+
+    def _commit_info(self, step: int) -> dict[str, Any]:
+        d = self.state.describe()
+        return {"layout": d["layout"], "model_hash": spec_hash(self.spec.model),
+                "data_cursor": d["data_cursor"], "seed": d["seed"], "lr_step": step,
+                "extra": {"format": FORMAT, "parallel": d.get("parallel", {}),
+                          "job": self.spec.name}}
+
+    def _copy(self, step: int, partial: str, file: str | None,
+              tensors: list[tuple[int, torch.Tensor]], metadata: bytes | None,
+              commit: dict[str, Any], done: threading.Event) -> None:
+        t0 = time.monotonic()
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError:
+            pass
+        try:
+            files: dict[str, list[int]] = {}
+            if file is not None:
+                files[file] = _write_pieces(os.path.join(partial, file), tensors)
+            done.set()  # the live tensors are copied: the optimizer may change them now
+            if metadata is not None:
+                with open(os.path.join(partial, METADATA_NAME), "wb") as f:
+                    f.write(metadata)
+                files[METADATA_NAME] = [len(metadata), crc32c_of([metadata])]
+            stamp = SnapshotStamp(self.generation, self.rank, self.world, step, files, commit)
+            self.store.publish(partial, stamp)
+        except Exception as exc:
+            self.failed += 1
+            logger.warning("rank %d: snapshot of step %d failed: %s", self.rank, step, exc)
+            return
+        finally:
+            done.set()
+        if self.on_done is not None:
+            self.on_done({"event": "snapshot", "step": step, "generation": self.generation,
+                          "bytes": stamp.nbytes, "seconds": round(time.monotonic() - t0, 6)})
+
+    def _at_fence(self, done: threading.Event) -> None:
+        if not done.wait(FENCE_TIMEOUT_S):
+            logger.error("rank %d: snapshot copy still running after %.0fs at the optimizer "
+                         "step", self.rank, FENCE_TIMEOUT_S)
+
+    def _drop_fence(self) -> None:
+        if self._fence is not None:
+            self._fence.remove()
+            self._fence = None
+
+    def wait(self, timeout_s: float = FENCE_TIMEOUT_S) -> None:
+        """Until the snapshot in flight (if any) is published or failed."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def close(self) -> None:
+        self.wait()
+        self._drop_fence()
+
+
+def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """Copy the tensors' bytes at their planned offsets; returns [bytes, crc32c]."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    crc, written = 0, 0
+    try:
+        for offset, tensor in tensors:
+            if offset != written:
+                raise OSError(f"{path}: piece at {offset}, expected {written}")
+            view = memoryview(byte_view(tensor))
+            for start in range(0, len(view), WRITE_CHUNK):
+                chunk = view[start:start + WRITE_CHUNK]
+                crc = crc32c_of([chunk], crc)
+                written += write_all(fd, chunk)
+    finally:
+        os.close(fd)
+    return [written, crc]

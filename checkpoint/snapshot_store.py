@@ -1,0 +1,226 @@
+"""SnapshotDir: one rank's in-memory snapshots (or a peer's replica of them) on host tmpfs.
+
+Why files in tmpfs (`/dev/shm` by default, `TENAX_SNAPSHOT_DIR` to override): the training
+process writes them and dies without taking them along, the rank's agent (a Ray actor that
+outlives it) serves them, and they are plain memory — no disk is touched. Nothing outside
+Tenax's agents reads them: a node whose agents are gone counts as having none, even where (as
+in a one-machine test cluster) the files would still be there.
+
+Layout and protocol (the in-memory twin of manifest-last):
+
+    <dir>/g<generation>-r<rank>/s<step>.partial/   written here first
+    <dir>/g<generation>-r<rank>/s<step>/<shard file>, .metadata (rank 0), stamp.json
+
+A snapshot is complete iff its directory has lost the `.partial` suffix, which happens only
+after every byte and then `stamp.json` (sizes and crc32c of every file, the generation, rank,
+world size, step and what a manifest needs) were written. A process killed mid-copy leaves a
+`.partial` directory that is never read and is removed by the next write. Reads check every
+file's size and checksum against the stamp, so a torn or damaged snapshot is refused, not
+loaded. The newest `keep` complete snapshots (by write order, not step: a job that fell back
+to an older storage step writes lower steps later) stay; older ones and other generations'
+leftovers go.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from checkpoint.storage import checksum_algorithms
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_ENV = "TENAX_SNAPSHOT_DIR"
+STAMP_NAME = "stamp.json"
+PARTIAL = ".partial"
+MAX_STAMP_BYTES = 1 << 20
+
+
+class SnapshotError(Exception):
+    """A snapshot is missing, incomplete or fails its checksum (picklable: crosses Ray)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def snapshot_root() -> str:
+    """Where agents keep snapshots: `$TENAX_SNAPSHOT_DIR`, else /dev/shm, else the temp dir."""
+    base = os.environ.get(SNAPSHOT_ENV)
+    if not base:
+        shm = "/dev/shm"
+        base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"tenax-snapshots-{os.getuid()}")
+
+
+def crc32c_of(chunks: Iterable[memoryview | bytes], value: int = 0) -> int:
+    import crc32c
+
+    for chunk in chunks:
+        value = crc32c.crc32c(chunk, value)
+    return value
+
+
+@dataclass(frozen=True)
+class SnapshotStamp:
+    """What a complete snapshot is: written last, read first (JSON, never pickle)."""
+    generation: int
+    rank: int
+    world: int
+    step: int
+    files: dict[str, list[int]]  # name -> [bytes, crc32c]
+    commit: dict[str, Any]  # layout, model_hash, data_cursor, seed, lr_step, extra
+    written_at: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SnapshotStamp":
+        try:
+            doc = json.loads(text)
+            stamp = cls(generation=int(doc["generation"]), rank=int(doc["rank"]),
+                        world=int(doc["world"]), step=int(doc["step"]),
+                        files={str(k): [int(v[0]), int(v[1])] for k, v in doc["files"].items()},
+                        commit=dict(doc["commit"]), written_at=float(doc["written_at"]))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise SnapshotError(f"unreadable snapshot stamp: {type(exc).__name__}: {exc}") from None
+        if not 0 <= stamp.rank < stamp.world or stamp.step < 0:
+            raise SnapshotError(f"snapshot stamp out of range: rank {stamp.rank} of "
+                                f"{stamp.world}, step {stamp.step}")
+        return stamp
+
+
+def _safe_name(name: str) -> str:
+    if not name or "/" in name or name.startswith("..") or name in (STAMP_NAME, "."):
+        raise SnapshotError(f"snapshot file name {name!r} is not a plain file name")
+    return name
+
+
+class SnapshotDir:
+    """The snapshots of one (generation, rank) series under `root`, newest `keep` kept."""
+
+    def __init__(self, root: str, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep: {keep} must be >= 1")
+        self.root, self.keep = root, keep
+
+    def series(self, generation: int, rank: int) -> str:
+        return os.path.join(self.root, f"g{generation}-r{rank}")
+
+    # ---- write ---------------------------------------------------------------------------
+    def begin(self, generation: int, rank: int, step: int) -> str:
+        """A fresh `.partial` directory for this step (leftovers of a killed writer go)."""
+        series = self.series(generation, rank)
+        os.makedirs(series, exist_ok=True)
+        for name in os.listdir(series):
+            if name.endswith(PARTIAL):
+                shutil.rmtree(os.path.join(series, name), ignore_errors=True)
+        path = os.path.join(series, f"s{step}{PARTIAL}")
+        os.makedirs(path)
+        return path
+
+    def publish(self, partial: str, stamp: SnapshotStamp) -> None:
+        """Stamp last, then the rename that makes the snapshot complete; then prune."""
+        with open(os.path.join(partial, STAMP_NAME), "w") as f:
+            f.write(stamp.to_json())
+        final = partial[:-len(PARTIAL)]
+        if os.path.exists(final):  # the same step written again (e.g. after a restore)
+            shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        self.prune(stamp.generation)
+
+    def write(self, stamp: SnapshotStamp, files: dict[str, bytes]) -> None:
+        """Write a whole snapshot held in memory (a replica arriving from a peer)."""
+        partial = self.begin(stamp.generation, stamp.rank, stamp.step)
+        for name, data in files.items():
+            with open(os.path.join(partial, _safe_name(name)), "wb") as f:
+                f.write(data)
+        self.publish(partial, stamp)
+
+    def prune(self, generation: int) -> None:
+        """Keep each series' newest `keep` complete snapshots (by write time); drop the
+        series of generations before g-1 (a recovery may still need g-1's newest step)."""
+        kept: dict[tuple[int, int], int] = {}
+        for stamp in self.complete():
+            key = (stamp.generation, stamp.rank)
+            kept[key] = kept.get(key, 0) + 1
+            if kept[key] > self.keep:
+                shutil.rmtree(self._path(stamp), ignore_errors=True)
+        for name in self._series_names():
+            gen = int(name[1:].split("-")[0])
+            if gen < generation - 1:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def drop(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- read ----------------------------------------------------------------------------
+    def _series_names(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            head, _, tail = name.partition("-r")
+            if head.startswith("g") and head[1:].isdigit() and tail.isdigit():
+                out.append(name)
+        return out
+
+    def _path(self, stamp: SnapshotStamp) -> str:
+        return os.path.join(self.series(stamp.generation, stamp.rank), f"s{stamp.step}")
+
+    def complete(self) -> list[SnapshotStamp]:
+        """Every complete snapshot here, newest written first (stamps only; no checksums)."""
+        stamps = []
+        for series in self._series_names():
+            base = os.path.join(self.root, series)
+            for name in os.listdir(base) if os.path.isdir(base) else []:
+                if name.endswith(PARTIAL):
+                    continue
+                stamp = self._read_stamp(os.path.join(base, name))
+                if stamp is not None:
+                    stamps.append(stamp)
+        return sorted(stamps, key=lambda s: s.written_at, reverse=True)
+
+    @staticmethod
+    def _read_stamp(path: str) -> SnapshotStamp | None:
+        try:
+            with open(os.path.join(path, STAMP_NAME), "rb") as f:
+                return SnapshotStamp.from_json(f.read(MAX_STAMP_BYTES))
+        except (OSError, SnapshotError) as exc:
+            logger.warning("ignoring snapshot %s: %s", path, exc)
+            return None
+
+    def read(self, generation: int, rank: int, step: int) -> tuple[SnapshotStamp, dict[str, bytes]]:
+        """The snapshot's stamp and files, each checked against the stamp's size and crc32c."""
+        path = os.path.join(self.series(generation, rank), f"s{step}")
+        stamp = self._read_stamp(path)
+        if stamp is None:
+            raise SnapshotError(f"no complete snapshot of rank {rank} step {step} "
+                                f"(generation {generation}) under {self.root}")
+        files = {}
+        for name, (size, crc) in stamp.files.items():
+            try:
+                with open(os.path.join(path, _safe_name(name)), "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise SnapshotError(f"snapshot {path}: {name}: {exc}") from None
+            if len(data) != size or crc32c_of([data]) != crc:
+                raise SnapshotError(f"snapshot {path}: {name} is torn or damaged "
+                                    f"({len(data)} of {size} bytes, checksum mismatch)")
+            files[name] = data
+        return stamp, files
+
+
+if "crc32c" not in checksum_algorithms():  # pragma: no cover - crc32c is a dependency
+    logger.warning("crc32c is not installed: in-memory snapshots cannot be checksummed")

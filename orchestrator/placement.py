@@ -1,0 +1,79 @@
+"""Placer: PLACING's executor — place the ranks, choose where they resume from, start them.
+
+Warm first: reuse the live agents (and their placement groups) and fork new training
+processes; only slots whose actor or node died get new actors. Cold fallback: a new group.
+Before anything is torn down, the recovery-source policy sees what every live agent holds
+(orchestrator/memory_recovery.py), so a step kept in memory survives the re-placement. Every
+placement is a new snapshot generation: pieces of one generation form one layout's step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from orchestrator.memory_recovery import MemoryRecovery, MemoryStart, PreparedRestore
+from orchestrator.worker_group import PlacementError, WorkerGroup
+from parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_ERRORS = (PlacementError, ray.exceptions.RayError, TimeoutError)
+
+
+@dataclass
+class Placed:
+    group: WorkerGroup
+    reuse: dict[str, Any]  # reused / created actors and mode (warm | cold)
+    source: str  # where the ranks were told to resume from: memory | replica | storage
+
+
+class Placer:
+    def __init__(self, job_id: str, spec: Any, timeout_s: float) -> None:
+        self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
+        self.gpus_per_node = spec.resources.gpus_per_node
+        self.generation = 0
+        self.snapshots_on = spec.checkpoint.memory_every_steps > 0
+        self.memory = MemoryRecovery(job_id, spec.checkpoint.uri,
+                                     spec.fault_tolerance.heartbeat_timeout_s, timeout_s)
+
+    def disable_snapshots(self) -> None:
+        self.snapshots_on = False
+
+    def place(self, group: WorkerGroup | None, layout: ParallelLayout, faults: list[Any],
+              ledger: Any, head_node: str) -> Placed:
+        """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail."""
+        prepared = self.memory.prepare(group.live_actors()) \
+            if group is not None and self.snapshots_on else None
+        self.generation += 1
+        group = group or WorkerGroup(self.job_id, self.gpus_per_node)
+        run = (layout, faults, ledger, head_node, prepared)
+        try:
+            reuse, source = self._create_and_start(group, *run)
+            return Placed(group, {**reuse, "mode": "warm" if reuse["reused"] else "cold"}, source)
+        except PLACEMENT_ERRORS as err:
+            if not group.blocks and not group.ranks:
+                group.shutdown()
+                raise
+            logger.warning("job %s: warm re-join failed (%s); falling back to a cold start",
+                           self.job_id, err)
+        group.shutdown()
+        group = WorkerGroup(self.job_id, self.gpus_per_node)
+        try:
+            reuse, source = self._create_and_start(group, *run)
+        except PLACEMENT_ERRORS:
+            group.shutdown()
+            raise
+        return Placed(group, {**reuse, "mode": "cold"}, source)
+
+    def _create_and_start(self, group: WorkerGroup, layout: ParallelLayout, faults: list[Any],
+                          ledger: Any, head_node: str,
+                          prepared: PreparedRestore | None) -> tuple[dict[str, Any], str]:
+        reuse = group.create(layout, self.timeout_s)
+        uris = self.memory.assemble(prepared, group.ranks)
+        source = prepared.decision.source if prepared is not None and uris else "storage"
+        memory = MemoryStart(self.job_id, self.generation, self.snapshots_on, uris)
+        group.start(self.spec.to_dict(), faults, ledger, self.timeout_s, head_node, memory)
+        return reuse, source

@@ -1,0 +1,131 @@
+"""SnapshotKeeper: the agent's half of in-memory snapshots.
+
+The rank's training process writes a snapshot every step into this agent's directory
+(checkpoint/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
+to its peer (the agent one node further along the ring) and holds the replica the peer of the
+previous node sends here. The controller asks every live agent what it holds
+(`inventory`), has the chosen pieces read (`read`, checksummed) and assembled on each new
+node (`assemble`), and drops the job's snapshots when the job ends.
+
+Replication never blocks training or the agent: one background thread sends the newest
+snapshot; if several complete while a send is in flight only the newest is sent next.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+from typing import Any
+
+from checkpoint.restore import assemble_version
+from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, snapshot_root
+
+logger = logging.getLogger(__name__)
+
+REPLICA_TIMEOUT_S = 120.0
+KINDS = ("local", "replica")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:120] or "job"
+
+
+class SnapshotKeeper:
+    def __init__(self) -> None:
+        self.slot = uuid.uuid4().hex[:12]
+        self.job_id, self.rank, self.peer = "", -1, None
+        self._lock = threading.Lock()
+        self._wanted: tuple[int, int, int] | None = None
+        self._busy = False
+        self.replicated, self.replica_errors = 0, 0
+
+    def configure(self, job_id: str, rank: int, peer: Any) -> None:
+        """A new training process: its job, rank, and the agent that holds its replica."""
+        with self._lock:
+            self.job_id, self.rank, self.peer = job_id, rank, peer
+        if job_id:
+            os.makedirs(self.local_dir, exist_ok=True)
+
+    @property
+    def job_root(self) -> str:
+        return os.path.join(snapshot_root(), _safe(self.job_id))
+
+    @property
+    def local_dir(self) -> str | None:
+        return os.path.join(self.job_root, self.slot, "local") if self.job_id else None
+
+    @property
+    def replica_dir(self) -> str:
+        return os.path.join(self.job_root, self.slot, "replica")
+
+    def _dir(self, kind: str) -> SnapshotDir:
+        if kind not in KINDS or not self.job_id:
+            raise SnapshotError(f"no {kind!r} snapshots here (job {self.job_id!r})")
+        return SnapshotDir(self.local_dir if kind == "local" else self.replica_dir,
+                           keep=2 if kind == "local" else 1)
+
+    # ---- replication -------------------------------------------------------------------------
+    def replicate(self, generation: int, rank: int, step: int) -> None:
+        """A snapshot completed here: send it (or a newer one) to the peer in the background."""
+        with self._lock:
+            if self.peer is None:
+                return
+            self._wanted = (generation, rank, step)
+            if self._busy:
+                return
+            self._busy = True
+        threading.Thread(target=self._send_loop, daemon=True, name="tenax-replicate").start()
+
+    def _send_loop(self) -> None:
+        import ray
+
+        while True:
+            with self._lock:
+                wanted, peer, self._wanted = self._wanted, self.peer, None
+                if wanted is None or peer is None:
+                    self._busy = False
+                    return
+            try:
+                stamp, files = self._dir("local").read(*wanted)
+                ray.get(peer.hold_replica.remote(stamp.to_json(), files), timeout=REPLICA_TIMEOUT_S)
+                self.replicated += 1
+            except Exception as exc:  # the peer may be gone; the local copy still serves
+                self.replica_errors += 1
+                logger.warning("replica of rank %d step %d not sent: %s", wanted[1], wanted[2],
+                               f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
+        stamp = SnapshotStamp.from_json(stamp_json)
+        if not self.job_id:
+            raise SnapshotError("this agent has no job yet; cannot hold a replica")
+        self._dir("replica").write(stamp, files)
+        return stamp.step
+
+    # ---- what the controller asks ----------------------------------------------------------
+    def inventory(self) -> list[dict[str, Any]]:
+        """Every complete snapshot held here (stamps only; reads verify checksums)."""
+        if not self.job_id:
+            return []
+        out = []
+        for kind in KINDS:
+            for stamp in self._dir(kind).complete():
+                out.append({"kind": kind, "generation": stamp.generation, "rank": stamp.rank,
+                            "world": stamp.world, "step": stamp.step, "bytes": stamp.nbytes})
+        return out
+
+    def read(self, kind: str, generation: int, rank: int, step: int) -> tuple[str, dict[str, bytes]]:
+        stamp, files = self._dir(kind).read(generation, rank, step)
+        return stamp.to_json(), files
+
+    def assemble(self, key: str, pieces: list[tuple[str, dict[str, bytes]]]) -> str:
+        """Write the pieces as one committed version under this node's restore dir; its URI."""
+        parsed = [(SnapshotStamp.from_json(stamp), files) for stamp, files in pieces]
+        return assemble_version(os.path.join(self.job_root, "restore", _safe(key)), parsed)
+
+    def drop_job(self) -> None:
+        """The job ended: remove everything it kept on this node (every slot's directory)."""
+        if self.job_id:
+            shutil.rmtree(self.job_root, ignore_errors=True)
