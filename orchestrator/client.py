@@ -224,12 +224,13 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{len(jobs)} job(s)")
-    for col in ("job", "state", "step", "loss", "layout", "world", "restarts", "updated"):
-        table.add_column(col, justify="right" if col in ("step", "loss", "world", "restarts")
-                         else "left")
+    for col in ("job", "state", "prio", "step", "loss", "layout", "gpus", "restarts", "updated"):
+        table.add_column(col, justify="right" if col in ("prio", "step", "loss", "gpus",
+                                                         "restarts") else "left")
     for j in jobs:
-        table.add_row(j["job_id"], j["state"], f"{j['step']}/{j['total_steps']}", _loss(j["loss"]),
-                      layout_text(j["layout"]), str(j["world_size"]), str(j["restarts"]),
+        state = j["state"] + (f" #{j['queue_position']}" if j["state"] == "QUEUED" else "")
+        table.add_row(j["job_id"], state, str(j["priority"]), f"{j['step']}/{j['total_steps']}",
+                      _loss(j["loss"]), layout_text(j["layout"]), str(j["gpus"]), str(j["restarts"]),
                       datetime.fromtimestamp(j["updated_at"]).strftime("%Y-%m-%d %H:%M:%S"))
     _console().print(table)
 

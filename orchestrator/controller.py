@@ -32,9 +32,10 @@ import ray
 from orchestrator.capacity import NodeProbes, cluster_capacity
 from orchestrator.goodput import Goodput
 from orchestrator.health import StragglerFlag, StragglerTracker
-from orchestrator.inbox import CancelRequest, Inbox, NodeLostReport, ScaleRequest
+from orchestrator.inbox import CancelRequest, Inbox, NodeLostReport, PreemptRequest, ScaleRequest
 from orchestrator.policies import (STARTUP_HANG_FACTOR, Action, Capacity, Decision, JobSnapshot,
                                    Limits, NodeLossPolicy, ScalingPolicy, decide, restart_or_fail)
+from orchestrator.scheduler import allotted_capacity, preempt_decision
 from orchestrator.spec import JobSpec
 from orchestrator.states import DEADLINES, JobState, next_state
 from orchestrator.worker_group import PlacementError, WorkerGroup
@@ -90,6 +91,8 @@ class Controller:
         self.goodput = Goodput(self.state_since)
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
         self.rescaling = Rescaling()
+        self.capacity_limit: Callable[[], int] | None = None  # tenax serve: nodes allotted
+        self.preempt_reason = ""  # tenax serve: stop at a boundary and end, to be requeued
         self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
         self.new_flags: tuple[StragglerFlag, ...] = ()
         # Called after every heartbeat poll with (controller, records), e.g. metrics.observe.
@@ -113,6 +116,11 @@ class Controller:
             raise ValueError(f"nodes: {nodes} is outside [min_nodes={r.min_nodes}, "
                              f"max_nodes={r.max_nodes}]")
         self.inbox.post(ScaleRequest(nodes))
+        self._wake.set()
+
+    def preempt(self, reason: str) -> None:
+        """Stop at a checkpoint boundary and end CANCELLED with `preempted: reason`."""
+        self.inbox.post(PreemptRequest(reason))
         self._wake.set()
 
     def report_node_lost(self, block: int, reason: str) -> None:
@@ -149,6 +157,10 @@ class Controller:
 
     def step_once(self) -> None:
         self._drain_inbox()
+        preempt = preempt_decision(self.state.value, self.group is not None, self.preempt_reason,
+                                   self.cancel_requested)
+        if preempt is not None:
+            return self._execute(preempt)
         if self.state == JobState.PLACING and not self.cancel_requested:
             decision = self._place()
         else:
@@ -166,6 +178,8 @@ class Controller:
                 logger.info("job %s: target nodes %d -> %d (requested)", self.job_id,
                             self._target_nodes, request.nodes)
                 self._target_nodes, self.next_capacity_check = request.nodes, 0.0
+            elif isinstance(request, PreemptRequest):
+                self.preempt_reason = request.reason
             elif isinstance(request, NodeLostReport):
                 logger.warning("job %s: node block %d reported lost: %s", self.job_id,
                                request.block, request.reason)
@@ -386,7 +400,8 @@ class Controller:
 
     # ---- capacity and status -----------------------------------------------------------------
     def capacity(self) -> Capacity:
-        return cluster_capacity(self.limits.gpus_per_node, self.lost_slots)
+        return allotted_capacity(cluster_capacity(self.limits.gpus_per_node, self.lost_slots),
+                                 self.capacity_limit)
 
     def status(self) -> dict[str, Any]:
         return {"job": self.job_id, "state": self.state.value, "step": self.step, "loss": self.loss,

@@ -34,7 +34,14 @@ class NodeLostReport:
     reason: str
 
 
-Request = Union[CancelRequest, ScaleRequest, NodeLostReport]
+@dataclass(frozen=True)
+class PreemptRequest:
+    """The service's scheduler wants the job's GPUs back: stop at a checkpoint boundary (the
+    planned rescale stop) and end; the service requeues the job instead of recording an end."""
+    reason: str
+
+
+Request = Union[CancelRequest, ScaleRequest, NodeLostReport, PreemptRequest]
 
 
 class Inbox:

@@ -15,123 +15,74 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import uuid
 from typing import Any, Callable
 
-import yaml
-
 from checkpoint.catalog import Catalog, CatalogError
 from checkpoint.storage import Storage
 from orchestrator.controller import Controller
-from orchestrator.spec import JobSpec, SpecError, apply_overrides, spec_from_dict
+from orchestrator.dispatch import Dispatcher
+from orchestrator.spec import JobSpec, SpecError, spec_from_dict
 from orchestrator.storage_roots import StorageRootError, StorageRoots, overlapping
 from orchestrator.store import JobRecord, JobStore, StoreError
+from orchestrator.submission import (SubmitError, connect_ray, default_gpu_slots,
+                                     parse_submission, spec_json_of)
 from workers.events import stamp
 
 logger = logging.getLogger(__name__)
 
-MAX_SPEC_CHARS = 1 << 20
-MAX_OVERRIDES, MAX_OVERRIDE_CHARS = 200, 4096
+__all__ = ["JobManager", "JobRunner", "SubmitError", "connect_ray", "default_gpu_slots",
+           "parse_submission", "spec_json_of"]
+
 STORAGE_TIMEOUT_S = 15.0
 DETACH_TIMEOUT_S = 30.0
 
 
-def default_gpu_slots() -> int:
-    """Real GPUs if torch sees any; otherwise one rank slot per CPU core."""
-    try:
-        import torch
-
-        count = torch.cuda.device_count()
-    except Exception as err:  # a broken CUDA install must not stop a CPU server
-        logger.warning("cannot count GPUs (%s); using CPU slots", err)
-        count = 0
-    return count or (os.cpu_count() or 1)
-
-
-def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> None:
-    """Join a cluster, or start an embedded one on 127.0.0.1 (ray.shutdown() stops it)."""
-    import ray
-
-    if address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-        logger.info("connected to the Ray cluster at %s", address)
-        return
-    slots = gpus if gpus is not None else default_gpu_slots()
-    tmp = tempfile.mkdtemp(prefix="tenax-ray-")
-    ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,
-             include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
-             log_to_driver=False, configure_logging=False)
-    logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s)", slots, tmp)
-
-
-class SubmitError(ValueError):
-    """A submission that cannot start; `kind` is invalid | conflict | unavailable."""
-
-    def __init__(self, message: str, kind: str = "invalid") -> None:
-        super().__init__(message, kind)
-        self.message, self.kind = message, kind
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
-    """JSON text (+ `KEY=VALUE` overrides) -> JobSpec; SpecError naming the field otherwise.
-
-    JSON only on the wire (DESIGN.md pins it): YAML aliases would let one request expand into
-    gigabytes. The CLI converts a YAML file to JSON before sending it.
-    """
-    if not spec_json.strip():
-        raise SpecError("spec_json: required (a JSON object; '{}' for the default job)")
-    if len(spec_json) > MAX_SPEC_CHARS:
-        raise SpecError(f"spec_json: {len(spec_json)} characters, more than {MAX_SPEC_CHARS}")
-    try:
-        raw = json.loads(spec_json)
-    except (ValueError, RecursionError) as err:
-        raise SpecError(f"spec_json: not valid JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"spec_json: top level must be an object, got {type(raw).__name__}")
-    if len(overrides) > MAX_OVERRIDES or any(len(o) > MAX_OVERRIDE_CHARS for o in overrides):
-        raise SpecError(f"overrides: at most {MAX_OVERRIDES}, each at most "
-                        f"{MAX_OVERRIDE_CHARS} characters")
-    try:
-        raw = apply_overrides(raw, overrides)
-    except SpecError:
-        raise
-    except (yaml.YAMLError, ValueError, TypeError, RecursionError, ArithmeticError) as err:
-        # a value is parsed as YAML (typed by its field): unterminated lists and the like
-        raise SpecError(f"overrides: {type(err).__name__}: {err}") from None
-    try:
-        return spec_from_dict(raw)
-    except RecursionError:
-        raise SpecError("spec_json: nested too deeply") from None
-
-
-def spec_json_of(spec: JobSpec) -> str:
-    return json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True)
-
-
 class JobRunner:
-    """One job: its Controller on a thread; events go to the store, metrics, then watchers."""
+    """One job: its Controller on a thread; events go to the store, metrics, then watchers.
+
+    `allotted` is the scheduler's grant in nodes: the controller never plans for more (its
+    capacity is limited to it), so lowering it shrinks the job through the planned re-plan
+    and raising it grows the job back. `preempt` stops the job at a checkpoint boundary; its
+    end is not stored as CANCELLED but puts the job back in the queue."""
 
     def __init__(self, manager: "JobManager", job_id: str, spec: JobSpec,
-                 baseline: dict[str, Any] | None = None) -> None:
+                 baseline: dict[str, Any] | None = None, allotted: int = 0,
+                 order: float = 0.0) -> None:
         self.manager, self.job_id, self.spec = manager, job_id, spec
         self.baseline = baseline or {}  # stored status of a resumed job
         self.detached = False
+        self.allotted, self.order = allotted or spec.resources.nodes, order
+        self.preempting, self.requeue = "", False
         self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
         self.controller = Controller(spec, None, self._on_event, job_id)
+        self.controller.capacity_limit = self.allotment
         self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
+
+    def allotment(self) -> int:
+        return self.allotted
+
+    def holds(self) -> int:
+        """Nodes the current placement holds (0 between placements)."""
+        c = self.controller
+        if c.group is None or c.layout is None:
+            return 0
+        return -(-c.layout.world_size // self.spec.resources.gpus_per_node)
+
+    def preempt(self, reason: str) -> None:
+        self.preempting = reason
+        self.controller.preempt(reason)
 
     @property
     def alive(self) -> bool:
         return not self.detached and self.thread.is_alive()
 
     def status(self) -> dict[str, Any]:
-        status = {**self.controller.status(), "target_nodes": self.controller.target_nodes}
+        status = {**self.controller.status(), "target_nodes": self.controller.target_nodes,
+                  "allotted": self.allotted, "priority": self.spec.priority,
+                  "gpus": self.holds() * self.spec.resources.gpus_per_node,
+                  "queued_s": round(self.manager.dispatcher.queued_s.get(self.job_id, 0.0), 3)}
         if self.controller.loss is None and self.baseline.get("loss") is not None:
             # resumed and not stepped yet: the stored step is the better answer
             status.update(step=self.baseline.get("step", 0), loss=self.baseline["loss"])
@@ -140,6 +91,16 @@ class JobRunner:
     def _on_event(self, event: dict[str, Any]) -> None:
         if self.detached:  # shutting down: the store must keep the job resumable
             return
+        if event.get("event") == "state":
+            if self.preempting and event.get("state") == "CANCELLED" and \
+                    not self.controller.cancel_requested:
+                self.requeue = True  # not an end: the job goes back to the queue
+                return
+            self.manager.dispatcher.wake.set()
+        self.record(event)
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Store the event (with the status now), feed metrics, wake the watchers."""
         kind, step = event.get("event"), event.get("step")
         every = self.manager.store.step_every
         keep_status = kind != "step" or (isinstance(step, int) and step % every == 0)
@@ -168,6 +129,9 @@ class JobRunner:
                     self.manager.store.save_status(self.job_id, self.status())
                 except StoreError as err:
                     logger.error("job %s: final status not stored: %s", self.job_id, err)
+                if self.requeue:
+                    self.manager.requeue(self)
+            self.manager.dispatcher.wake.set()
             self.manager.notify()
 
 
@@ -180,7 +144,10 @@ class JobManager:
         self.roots = roots  # None: any URI (embedding callers that trust their submitters)
         self.runners: dict[str, JobRunner] = {}
         self.stopping = threading.Event()
-        self._lock = threading.Lock()
+        self.dispatcher = Dispatcher(self)
+        self._lock = self.dispatcher.lock  # one lock: the queue and the runners change together
+        if collector is not None:
+            collector.queue_source = self.dispatcher.figures
         self._changed = threading.Condition()
         self._version = 0
 
@@ -196,18 +163,54 @@ class JobManager:
             raise SubmitError(str(err), "invalid") from None
         uri = spec.checkpoint.uri
         with self._lock:  # two spellings of one directory (or one inside the other) conflict
-            busy = [r.job_id for r in self.runners.values()
-                    if r.alive and overlapping(r.spec.checkpoint.uri, uri)]
+            busy = [job for job, s in self._unfinished_specs() if overlapping(s.checkpoint.uri, uri)]
             if busy:
                 raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
                                   f"job {busy[0]}; give each job a checkpoint.uri of its own",
                                   "conflict")
+            refused = self.dispatcher.refusal(spec)
+            if refused is not None:
+                raise SubmitError(f"refused: {refused}", "invalid")
             job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
-            self.store.add_job(job_id, spec.name, spec_json_of(spec), spec.checkpoint.uri)
-            self._start(job_id, spec)
-        logger.info("job %s submitted (%d steps, checkpoints at %s)", job_id, spec.train.steps,
-                    spec.checkpoint.uri)
+            record = self.store.add_job(job_id, spec.name, spec_json_of(spec), spec.checkpoint.uri)
+            self.dispatcher.enqueue(job_id, spec, record.created_at)
+            self.dispatcher.tick()  # starts it now if it fits, else stores it as QUEUED
+            self.dispatcher.start()
+        logger.info("job %s submitted (priority %d, %d steps, checkpoints at %s)", job_id,
+                    spec.priority, spec.train.steps, spec.checkpoint.uri)
         return job_id
+
+    def _unfinished_specs(self) -> list[tuple[str, JobSpec]]:
+        """(job id, spec) of every admitted job still running and every queued one."""
+        out = [(r.job_id, r.spec) for r in self.runners.values() if r.alive]
+        return out + [(e.job_id, e.spec) for e in self.dispatcher.queue.values()]
+
+    def active_runners(self) -> list[JobRunner]:
+        return [r for r in self.runners.values() if r.alive and not r.requeue]
+
+    def record(self, job_id: str, event: dict[str, Any]) -> None:
+        """Store an event of a job that may have no controller (queued, refused, expired)."""
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.alive:
+            runner.record(stamp(event))
+            return
+        try:
+            self.store.append_event(job_id, stamp(event))
+        except StoreError as err:
+            logger.error("job %s: event not stored: %s", job_id, err)
+        self.notify()
+
+    def start_runner(self, job_id: str, spec: JobSpec, nodes: int) -> JobRunner:
+        """Admitted by the scheduler: a controller limited to `nodes` nodes."""
+        record = self.store.get_job(job_id)
+        return self._start(job_id, spec, record, nodes)
+
+    def requeue(self, runner: JobRunner) -> None:
+        """A preempted job stopped at its checkpoint boundary: back in the queue, same place."""
+        with self._lock:
+            waited = self.dispatcher.queued_s.get(runner.job_id, 0.0)
+            self.dispatcher.enqueue(runner.job_id, runner.spec, runner.order, waited)
+        logger.info("job %s: preempted and requeued", runner.job_id)
 
     def resume_unfinished(self) -> list[str]:
         """Start a controller for every stored job that had not finished; returns their ids."""
@@ -224,14 +227,32 @@ class JobManager:
                     "reason": f"cannot resume: the stored spec is no longer valid: {err}"}))
                 continue
             with self._lock:
-                self.store.append_event(record.job_id, stamp({
-                    "event": "resumed", "job": record.job_id, "was": record.state,
-                    "reason": "service restarted; continuing from the newest committed checkpoint"}))
-                runner = self._start(record.job_id, spec, record)
-            logger.info("job %s resumed (was %s, target %d node(s))", record.job_id,
-                        record.state, runner.controller.target_nodes)
+                self._resume(record, spec)
             resumed.append(record.job_id)
+        with self._lock:
+            self.dispatcher.tick()
+            self.dispatcher.start()
         return resumed
+
+    def _resume(self, record: JobRecord, spec: JobSpec) -> None:
+        """A job that held GPUs starts again with its allotment; a queued one queues again
+        (in its submission order, so the queue keeps its order across a restart)."""
+        queued = record.state in ("QUEUED", "PENDING")
+        self.store.append_event(record.job_id, stamp({
+            "event": "resumed", "job": record.job_id, "was": record.state,
+            "reason": "service restarted; " + ("back in the queue" if queued else
+                                               "continuing from the newest committed checkpoint")}))
+        if queued:
+            self.dispatcher.enqueue(record.job_id, spec, record.created_at,
+                                    float(record.status.get("queued_s") or 0.0))
+            entry = self.dispatcher.queue[record.job_id]
+            entry.announced = record.state == "QUEUED"
+            logger.info("job %s back in the queue", record.job_id)
+            return
+        allotted = int(record.status.get("allotted") or 0)
+        runner = self._start(record.job_id, spec, record, allotted)
+        logger.info("job %s resumed (was %s, target %d node(s), allotted %d)", record.job_id,
+                    record.state, runner.controller.target_nodes, runner.allotted)
 
     def _finish_cancelled(self, record: JobRecord) -> None:
         logger.info("job %s: not resumed, its cancel request was stored before the restart",
@@ -240,9 +261,11 @@ class JobManager:
             "event": "state", "state": "CANCELLED", "job": record.job_id, "was": record.state,
             "reason": "cancel requested before the service stopped; not resumed"})
 
-    def _start(self, job_id: str, spec: JobSpec, record: JobRecord | None = None) -> JobRunner:
+    def _start(self, job_id: str, spec: JobSpec, record: JobRecord | None = None,
+               allotted: int = 0) -> JobRunner:
         baseline = record.status if record else {}
-        runner = JobRunner(self, job_id, spec, baseline)
+        order = record.created_at if record else 0.0
+        runner = JobRunner(self, job_id, spec, baseline, allotted, order)
         target = baseline.get("target_nodes") or spec.resources.nodes
         if target != spec.resources.nodes:
             try:
@@ -281,16 +304,27 @@ class JobManager:
         runner = self.runners.get(job_id)
         return runner is not None and runner.alive
 
+    def queued(self, job_id: str) -> bool:
+        return job_id in self.dispatcher.queue
+
     def live_status(self, record: JobRecord) -> tuple[dict[str, Any], int]:
-        """(status, target nodes): the controller's while it runs, else the stored one."""
+        """(status, target nodes): the controller's while it runs, else the stored one; a
+        queued job's also says where it is in the queue and what it waits for."""
+        queue = self.dispatcher.queue_status(record.job_id)
         runner = self.runners.get(record.job_id)
         if runner is None or not runner.alive:
-            return record.status, int(record.status.get("target_nodes") or 0)
+            status = {**record.status, **(queue or {})}
+            return status, int(record.status.get("target_nodes") or 0)
         return runner.status(), runner.controller.target_nodes
 
     def cancel(self, job_id: str) -> None:
         """Persist the request, then tell the controller: an ack means a restart honours it."""
         self.store.request_cancel(job_id, "CancelJob")  # StoreError: not acknowledged
+        with self._lock:
+            if self.dispatcher.drop(job_id) is not None:  # queued: nothing to stop
+                self.record(job_id, {"event": "state", "state": "CANCELLED", "job": job_id,
+                                     "reason": "cancel requested while queued"})
+                return
         runner = self.runners.get(job_id)
         if runner is not None:
             runner.controller.cancel()

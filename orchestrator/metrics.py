@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 RANK = ("job", "rank", "node")
 JOB = ("job",)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")
-JOB_STATES = ("PENDING", "PLACING", "RUNNING", "RECOVERING", "RESCALING", "SUCCEEDED", "FAILED",
-              "CANCELLED")
+JOB_STATES = ("PENDING", "QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESCALING", "SUCCEEDED",
+              "FAILED", "CANCELLED")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 # FailureDecision.cause_kind values, plus placement retries and straggler evictions; exported
 # at 0 from the start so that increase() sees the first restart.
@@ -70,7 +70,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tenax_checkpoint_load_seconds": ("gauge", JOB, "Duration of the last checkpoint load"),
     "tenax_checkpoint_last_committed_step": ("gauge", JOB, "Step of the newest committed checkpoint"),
     "tenax_checkpoint_failures_total": ("counter", JOB, "Checkpoint saves that failed (not pinned)"),
+    # tenax serve's scheduler (exported by a server only)
+    "tenax_queue_jobs": ("gauge", ("priority",), "Jobs waiting in the queue, by priority"),
+    "tenax_job_queued_seconds": ("gauge", JOB, "Seconds the job has waited in the queue in all"),
+    "tenax_job_gpus": ("gauge", JOB, "GPUs the job holds now (its allotment while it changes)"),
 }
+SERVICE_METRICS = ("tenax_queue_jobs", "tenax_job_queued_seconds", "tenax_job_gpus")
 
 
 def _family(name: str) -> Metric:
@@ -254,6 +259,8 @@ class TenaxCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[str, JobMetrics] = {}
+        # tenax serve: () -> {"queue": {priority: n}, "queued_s": {job: s}, "gpus": {job: n}}
+        self.queue_source: Callable[[], Mapping[str, Mapping[Any, float]]] | None = None
 
     def add_job(self, job_id: str, **kwargs: Any) -> JobMetrics:
         job = JobMetrics(job_id, **kwargs)
@@ -278,7 +285,24 @@ class TenaxCollector(Collector):
             jobs = list(self._jobs.values())
         for job in jobs:
             job.fill(families)
+        if self.queue_source is not None:
+            self._fill_queue(families)
         return iter(families.values())
+
+    def _fill_queue(self, f: Mapping[str, Metric]) -> None:
+        try:
+            figures = self.queue_source()
+        except Exception:  # the scrape must not fail because the scheduler is mid-update
+            logger.exception("queue figures not readable")
+            return
+        for priority, count in sorted(figures.get("queue", {}).items()):
+            f["tenax_queue_jobs"].add_metric([str(priority)], count)
+        if not figures.get("queue"):
+            f["tenax_queue_jobs"].add_metric(["0"], 0.0)  # an empty queue is a value, not a gap
+        for job, seconds in sorted(figures.get("queued_s", {}).items()):
+            f["tenax_job_queued_seconds"].add_metric([job], seconds)
+        for job, gpus in sorted(figures.get("gpus", {}).items()):
+            f["tenax_job_gpus"].add_metric([job], gpus)
 
 
 class MetricsServer:

@@ -134,6 +134,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     def _active(self, job_id: str, verb: str) -> None:
         record = self._record(job_id)
+        if verb == "cancel" and self.manager.queued(job_id):
+            return  # a queued job can be cancelled (it holds nothing yet)
         if record.terminal or not self.manager.running(job_id):
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
                            f"cannot {verb} job {job_id}: it is {record.state}")

@@ -77,9 +77,21 @@ def job_message(record: JobRecord, status: dict[str, Any], target_nodes: int) ->
         msg.goodput = _number(goodput["goodput"])
     if status.get("layout"):
         set_layout(msg.layout, status["layout"])
+    _set_queue(msg, spec, record.state, status)
     _set_time(msg.created_at, record.created_at)
     _set_time(msg.updated_at, record.updated_at)
     return msg
+
+
+def _set_queue(msg: pb.Job, spec: dict[str, Any], state: str, status: dict[str, Any]) -> None:
+    """Scheduling fields: priority, queue position and what a QUEUED job waits for, GPUs held."""
+    msg.priority = _fit(spec.get("priority", 0), _INT32, "priority")
+    msg.gpus = _fit(status.get("gpus"), _INT32, "gpus")
+    if _number(status.get("queued_s")) is not None:
+        msg.queued_seconds = _number(status["queued_s"])
+    if state == "QUEUED":
+        msg.queue_position = _fit(status.get("queue_position"), _INT32, "queue_position")
+        msg.waiting_for = str(status.get("waiting_for") or "")
 
 
 def event_message(record: EventRecord) -> pb.JobEvent:
@@ -115,6 +127,9 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
             "world_size": job.world_size, "target_nodes": job.target_nodes,
             "restarts": job.restarts, "lost_steps": job.lost_steps, "cause": job.cause,
             "goodput": job.goodput, "checkpoint_uri": job.checkpoint_uri,
+            "priority": job.priority, "queue_position": job.queue_position,
+            "waiting_for": job.waiting_for, "gpus": job.gpus,
+            "queued_seconds": job.queued_seconds,
             "created_at": job.created_at.ToNanoseconds() / 1e9,
             "updated_at": job.updated_at.ToNanoseconds() / 1e9}
 

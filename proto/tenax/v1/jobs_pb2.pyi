@@ -21,6 +21,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_PLACING: JobState
@@ -30,6 +31,7 @@ JOB_STATE_RESCALING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_QUEUED: JobState
 
 class Layout(_message.Message):
     __slots__ = ("dp", "tp", "pp", "cp", "ep", "zero")
@@ -48,7 +50,7 @@ class Layout(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ..., ep: _Optional[int] = ..., zero: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "state", "step", "total_steps", "loss", "layout", "world_size", "restarts", "lost_steps", "cause", "goodput", "checkpoint_uri", "target_nodes", "spec_json", "created_at", "updated_at")
+    __slots__ = ("job_id", "name", "state", "step", "total_steps", "loss", "layout", "world_size", "restarts", "lost_steps", "cause", "goodput", "checkpoint_uri", "target_nodes", "spec_json", "created_at", "updated_at", "priority", "queue_position", "waiting_for", "gpus", "queued_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,11 @@ class Job(_message.Message):
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -83,7 +90,12 @@ class Job(_message.Message):
     spec_json: str
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., lost_steps: _Optional[int] = ..., cause: _Optional[str] = ..., goodput: _Optional[float] = ..., checkpoint_uri: _Optional[str] = ..., target_nodes: _Optional[int] = ..., spec_json: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    priority: int
+    queue_position: int
+    waiting_for: str
+    gpus: int
+    queued_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., lost_steps: _Optional[int] = ..., cause: _Optional[str] = ..., goodput: _Optional[float] = ..., checkpoint_uri: _Optional[str] = ..., target_nodes: _Optional[int] = ..., spec_json: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., priority: _Optional[int] = ..., queue_position: _Optional[int] = ..., waiting_for: _Optional[str] = ..., gpus: _Optional[int] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec_json", "overrides")
