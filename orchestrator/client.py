@@ -281,7 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=None if args.no_metrics else args.metrics_port, address=args.address,
         tokens=read_tokens(args.token_file) if args.token_file else None,
         tls_cert=args.tls_cert, tls_key=args.tls_key, gpus=args.gpus, cpus=args.cpus,
-        storage_roots=args.storage_roots, insecure=args.insecure, metrics_host=args.metrics_host)
+        storage_roots=args.storage_roots, insecure=args.insecure, metrics_host=args.metrics_host,
+        autoscale_max=args.autoscale_max)
     try:
         return serve(config)
     except (StoreError, ConnectionError, ValueError) as err:  # state dir busy, Ray
@@ -321,7 +322,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, help="embedded Ray: GPU slots (default: the GPUs, "
                    "else one per CPU core)")
     p.add_argument("--cpus", type=int, help="embedded Ray: CPUs (default: max(cores, slots))")
+    p.add_argument("--autoscale-max", type=_nodes_by_gpus, metavar="NxG",
+                   help="the autoscaler may grow the cluster to N nodes of G GPUs (KubeRay: the "
+                   "GPU group's maxReplicas x GPUs per pod); jobs that fit that shape queue "
+                   "instead of being refused")
     p.set_defaults(func=cmd_serve)
+
+
+def _nodes_by_gpus(text: str) -> tuple[int, int]:
+    nodes, _, gpus = text.lower().partition("x")
+    if not (nodes.isdigit() and gpus.isdigit() and int(nodes) > 0 and int(gpus) > 0):
+        raise argparse.ArgumentTypeError(f"--autoscale-max: {text!r} is not NxG, e.g. 4x8")
+    return int(nodes), int(gpus)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -232,3 +232,38 @@ def _view_of_spec(job_id: str, spec: "JobSpec", order: float, queued_s: float = 
     return JobView(job_id, spec.priority, order, r.gpus_per_node, r.min_nodes,
                    min(max(r.nodes, r.min_nodes), r.max_nodes), preemptible=r.preemptible,
                    queued_s=queued_s, queue_timeout_s=r.queue_timeout_s)
+
+
+def wait_for_gpus(spec: "JobSpec", publish: Any, poll_s: float = TICK_S) -> str | None:
+    """`tenax run --address`: queue like the service on a shared cluster. Waits until Ray has
+    the GPUs for `min_nodes` free (other drivers' placement groups count as taken), asking the
+    autoscaler for them meanwhile; returns why the job cannot run (never fits, queue timeout)
+    or None once it may start. `publish(kind, **fields)` reports queued/admitted."""
+    import ray
+
+    r = spec.resources
+    view = _view_of_spec(spec.name, spec, 0.0)
+    refused = never_fits(view, cluster_now() or Cluster(()))
+    if refused is not None:
+        return refused
+    start, announced, need = time.monotonic(), False, view.need_gpus
+    while True:
+        free = int(ray.available_resources().get("GPU", 0))
+        if free >= need:
+            break
+        waited = time.monotonic() - start
+        if r.queue_timeout_s is not None and waited > r.queue_timeout_s:
+            request_autoscaler([])
+            return (f"waited {waited:.0f} s for {need} GPU(s), more than "
+                    f"resources.queue_timeout_s={r.queue_timeout_s:g}")
+        if not announced:
+            announced = True
+            request_autoscaler([{"GPU": float(r.gpus_per_node)}] * r.min_nodes)
+            publish("queued", position=1, reason=f"waiting for {need} GPU(s) ({r.min_nodes} "
+                    f"node(s) x {r.gpus_per_node}); {free} free on the cluster")
+        time.sleep(poll_s)
+    if announced:
+        request_autoscaler([])
+        publish("admitted", nodes=r.min_nodes, queued_s=round(time.monotonic() - start, 3),
+                reason=f"{free} GPU(s) free on the cluster")
+    return None

@@ -139,12 +139,14 @@ class JobManager:
     """Every job of one service; thread-safe. `collector` is a metrics TenaxCollector or None."""
 
     def __init__(self, store: JobStore, collector: Any = None,
-                 roots: StorageRoots | None = None) -> None:
+                 roots: StorageRoots | None = None,
+                 autoscale_max: tuple[int, int] | None = None) -> None:
         self.store, self.collector = store, collector
         self.roots = roots  # None: any URI (embedding callers that trust their submitters)
         self.runners: dict[str, JobRunner] = {}
         self.stopping = threading.Event()
-        self.dispatcher = Dispatcher(self)
+        largest = (autoscale_max[1],) * autoscale_max[0] if autoscale_max else None
+        self.dispatcher = Dispatcher(self, largest)
         self._lock = self.dispatcher.lock  # one lock: the queue and the runners change together
         if collector is not None:
             collector.queue_source = self.dispatcher.figures

@@ -81,7 +81,7 @@ class EventSink:
             self.file.close()
 
 
-LOUD = {"failure": "red", "recovered": "green", "checkpoint_failed": "yellow", "done": "bold",
+LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green", "checkpoint_failed": "yellow", "done": "bold",
         "chaos": "magenta", "scaled": "cyan", "straggler": "yellow"}
 
 
@@ -90,6 +90,14 @@ def _styled(event: dict[str, Any]) -> str:
     text = escape(human(event))
     style = LOUD.get(event.get("event", ""))
     return f"[{style}]{text}[/{style}]" if style else text
+
+
+def _queue(spec: JobSpec, sink: EventSink) -> str | None:
+    """Wait for the job's GPUs on a shared cluster (orchestrator/dispatch.py)."""
+    from orchestrator.dispatch import wait_for_gpus
+    from workers.events import Event
+
+    return wait_for_gpus(spec, lambda kind, **f: sink(Event.make(kind, **f).to_dict()))
 
 
 def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
@@ -108,6 +116,10 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
     with ray_session(address, spec), progress:
         task = progress.add_task("starting", total=spec.train.steps, name=spec.name)
         sink = EventSink(log_json, console, progress, task, spec.train.steps)
+        if address and (why := _queue(spec, sink)) is not None:  # a shared cluster: queue
+            sink.close()
+            console.print(f"Job {spec.name} not started: {escape(why)}.")
+            return 1
         controller = Controller(spec, chaos, sink)
         metrics = None
         if metrics_port:

@@ -93,11 +93,12 @@ class Decision:
 
 def never_fits(job: JobView, cluster: Cluster) -> str | None:
     """Why `job` can never run on `cluster` (whole job-nodes packed on one Ray node), or None."""
-    shape = cluster.largest if cluster.largest is not None else cluster.node_gpus
     g = job.gpus_per_node
-    fits = sum(n // g for n in shape)
+    shapes = [cluster.node_gpus] + ([cluster.largest] if cluster.largest is not None else [])
+    fits = max(sum(n // g for n in shape) for shape in shapes)
     if fits >= job.min_nodes:
         return None
+    shape = max(shapes, key=sum)
     kind = "largest shape" if cluster.largest is not None else "nodes"
     return (f"resources.min_nodes={job.min_nodes} node(s) of resources.gpus_per_node={g} GPUs "
             f"can never fit: the cluster's {kind} ({', '.join(map(str, shape)) or 'none'} GPUs "

@@ -305,6 +305,7 @@ class ServeConfig:
     storage_roots: list[str] = field(default_factory=list)  # besides file:// under state_dir
     insecure: bool = False  # allow a non-loopback host without tokens
     metrics_host: str = "127.0.0.1"
+    autoscale_max: tuple[int, int] | None = None  # (nodes, GPUs each) the cluster may grow to
 
 
 
@@ -330,7 +331,8 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
         previous = _on_signals(stop)  # after ray.init, which installs a SIGTERM handler of its own
         if config.metrics_port is not None:
             metrics = MetricsServer(config.metrics_port, config.metrics_host)
-        manager = JobManager(store, metrics.collector if metrics else None, roots)
+        manager = JobManager(store, metrics.collector if metrics else None, roots,
+                             config.autoscale_max)
         server = JobServer(manager, ServerOptions(config.host, config.port, config.tokens,
                                                   config.tls_cert, config.tls_key))
         resumed = manager.resume_unfinished()  # after binding: a busy port starts no job

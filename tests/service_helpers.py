@@ -193,7 +193,8 @@ def bad_rpcs() -> Any:
         st.tuples(st.sampled_from(FUZZ_METHODS), ids, ints),
         st.tuples(st.just("WatchJob"), ids, ints),
         st.tuples(st.just("ListJobs"), st.just(""),
-                  st.integers(9, 2**31 - 1) | st.integers(-2**31, -1)),
+                  st.integers(max(pb.JobState.values()) + 1, 2**31 - 1) |
+                  st.integers(-2**31, -1)),
         st.tuples(st.just("raw"), st.sampled_from(FUZZ_METHODS), st.binary(max_size=40)),
         st.tuples(st.just("token"), st.text(st.characters(min_codepoint=33, max_codepoint=126),
                                             max_size=30), st.just(0)))

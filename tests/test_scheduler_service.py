@@ -20,8 +20,8 @@ import pytest
 from tenax.v1 import jobs_pb2 as pb
 
 from tests.ray_helpers import ray_env
-from tests.service_helpers import (ServerProcess, code_of, job_overrides, of, states, stub,
-                                   submit, wait_until, watch)
+from tests.service_helpers import (ServerProcess, code_of, job_overrides, of, run_cli, states,
+                                   stub, submit, wait_until, watch)
 
 pytestmark = pytest.mark.timeout(600)
 WHOLE = ["resources.nodes=2", "resources.gpus_per_node=2", "resources.min_nodes=2"]
@@ -125,3 +125,91 @@ def test_a_job_waits_for_the_earlier_one_and_never_overlaps_it(server):
     wait_until(lambda: autoscaler_demand() == [], 30, "the autoscaler request withdrawn")
     scraped = scrape(server["metrics"])
     assert f'tenax_job_queued_seconds{{job="{second}"}}' in scraped
+
+
+def test_a_priority_job_shrinks_an_elastic_one_which_grows_back_with_clean_losses(server):
+    s, tmp = server["stub"], server["tmp"]
+    elastic_spec = ["resources.nodes=2", "resources.gpus_per_node=2", "resources.min_nodes=1",
+                    "train.steps=60"]
+    elastic = submit(s, [], job_overrides(tmp, "elastic", elastic_spec))
+    watch(s, [], elastic, timeout_s=180, until=lambda e: e["kind"] == "step")
+    urgent = submit(s, [], job_overrides(tmp, "urgent", [
+        "priority=10", "resources.nodes=1", "resources.gpus_per_node=2", "train.steps=5"]))
+    urgent_events = watch(s, [], urgent, timeout_s=300)
+    events = watch(s, [], elastic, timeout_s=300)
+    assert states(urgent_events)[-1] == "SUCCEEDED" and states(events)[-1] == "SUCCEEDED"
+    shrunk, grown, scaled = of(events, "shrunk"), of(events, "grown"), of(events, "scaled")
+    assert len(shrunk) == 1 and shrunk[0]["nodes"] == 1 and urgent in shrunk[0]["reason"]
+    assert len(grown) == 1 and grown[0]["nodes"] == 2
+    assert [(e["from_world"], e["world_size"], e["lost_steps"]) for e in scaled] == \
+        [(4, 2, 0), (2, 4, 0)]
+    assert min(placed_times(urgent_events)) >= scaled[0]["time"] - 1.0  # room first, then urgent
+    assert of(urgent_events, "admitted") and grown[0]["time"] >= of(urgent_events, "state")[-1]["time"]
+    assert get(s, elastic).lost_steps == 0
+
+    clean = submit(s, [], job_overrides(tmp, "clean", elastic_spec))
+    want = {e["step"]: e["loss"] for e in of(watch(s, [], clean, timeout_s=300), "step")}
+    got = {e["step"]: e["loss"] for e in of(events, "step")}
+    assert sorted(got) == list(range(1, 61)) == sorted(want)
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_a_preemptible_job_stops_at_a_checkpoint_and_is_requeued(server):
+    s, tmp = server["stub"], server["tmp"]
+    victim = submit(s, [], job_overrides(tmp, "victim", WHOLE + [
+        "resources.preemptible=true", "train.steps=30"]))
+    watch(s, [], victim, timeout_s=180, until=lambda e: e["kind"] == "step" and e["step"] >= 3)
+    urgent = submit(s, [], job_overrides(tmp, "urgent2", WHOLE + ["priority=10",
+                                                                  "train.steps=5"]))
+    urgent_events = watch(s, [], urgent, timeout_s=300)
+    events = watch(s, [], victim, timeout_s=300)
+    assert states(urgent_events)[-1] == "SUCCEEDED" and states(events)[-1] == "SUCCEEDED"
+    (preempted,) = of(events, "preempted")
+    assert urgent in preempted["reason"]
+    requeued = next(e for e in of(events, "state") if e["state"] == "QUEUED")
+    assert requeued["seq"] > preempted["seq"] and "CANCELLED" not in states(events)
+    first_urgent_step = of(urgent_events, "step")[0]["time"]
+    before = [e for e in of(events, "step") if e["seq"] < requeued["seq"]]
+    after = [e for e in of(events, "step") if e["seq"] > requeued["seq"]]
+    assert before[-1]["time"] <= first_urgent_step <= after[0]["time"]  # never both training
+    assert after[0]["step"] == before[-1]["step"] + 1  # resumed at the boundary: 0 lost steps
+    assert get(s, victim).lost_steps == 0
+
+
+def test_the_queue_survives_a_sigkilled_server(cluster, tmp_path):
+    state, log = tmp_path / "state", tmp_path / "serve.log"
+    args = ["--state-dir", str(state), "--address", cluster.address, "--no-metrics",
+            "--storage-root", f"file://{tmp_path}"]
+    first = ServerProcess(args, log)
+    try:
+        s = stub(first.port)
+        holder = submit(s, [], job_overrides(tmp_path, "holder", WHOLE + ["train.steps=5000"]))
+        low = submit(s, [], job_overrides(tmp_path, "low", WHOLE))
+        high = submit(s, [], job_overrides(tmp_path, "high", WHOLE + ["priority=5"]))
+        watch(s, [], holder, timeout_s=180, until=lambda e: e["kind"] == "step")
+        before = [(get(s, j).state, get(s, j).queue_position) for j in (holder, high, low)]
+        assert before == [(pb.JOB_STATE_RUNNING, 0), (pb.JOB_STATE_QUEUED, 1),
+                          (pb.JOB_STATE_QUEUED, 2)]
+        first.kill()
+        second = ServerProcess(args, log)
+        try:
+            s = stub(second.port)
+            wait_until(lambda: get(s, holder).state == pb.JOB_STATE_RUNNING, 180,
+                       f"the holder to run again: {log.read_text()[-2000:]}")
+            after = [(get(s, j).state, get(s, j).queue_position) for j in (holder, high, low)]
+            assert after == before
+            assert "waiting for 4 GPU(s)" in get(s, high).waiting_for
+            sets = [a for o in job_overrides(tmp_path, "run", WHOLE + [
+                "resources.queue_timeout_s=2"]) for a in ("--set", o)]
+            done = run_cli(["run", *sets, "--address", cluster.address], timeout_s=180)
+            assert done.returncode == 1, done.stderr[-2000:]  # `tenax run` queues, then gives up
+            assert "waiting for 4 GPU(s)" in done.stderr and "queue_timeout_s=2" in done.stderr
+            for job in (low, high, holder):
+                s.CancelJob(pb.CancelJobRequest(job_id=job), timeout=10)
+            assert states(watch(s, [], holder, timeout_s=120))[-1] == "CANCELLED"
+            assert get(s, low).state == pb.JOB_STATE_CANCELLED
+        finally:
+            second.kill()
+    finally:
+        first.kill()
