@@ -113,7 +113,7 @@ class Dispatcher:
     def tick(self) -> list[Decision]:
         with self.lock:
             cluster = cluster_now(self.largest)
-            if cluster is None:
+            if cluster is None or self.manager.stopping.is_set():  # no Ray, or shutting down
                 return []
             decisions = decide(Snapshot(self._views(), cluster))
             for d in decisions:
