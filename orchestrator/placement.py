@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from orchestrator.host_memory import plan_snapshot_memory, ray_node_memory_bytes
 from orchestrator.memory_recovery import MemoryRecovery, MemoryStart, PreparedRestore
 from orchestrator.worker_group import PlacementError, WorkerGroup
 from parallel.layout import ParallelLayout
@@ -28,6 +29,7 @@ class Placed:
     group: WorkerGroup
     reuse: dict[str, Any]  # reused / created actors and mode (warm | cold)
     source: str  # where the ranks were told to resume from: memory | replica | storage
+    notice: str = ""  # said once: why in-memory snapshots are off for this job
 
 
 class Placer:
@@ -35,24 +37,37 @@ class Placer:
         self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
         self.gpus_per_node = spec.resources.gpus_per_node
         self.generation = 0
-        self.snapshots_on = spec.checkpoint.memory_every_steps > 0
+        self.wanted = spec.checkpoint.memory_every_steps > 0
+        self.snapshots_on, self.told_off = self.wanted, False
         self.memory = MemoryRecovery(job_id, spec.checkpoint.uri,
                                      spec.fault_tolerance.heartbeat_timeout_s, timeout_s)
 
-    def disable_snapshots(self) -> None:
-        self.snapshots_on = False
+    def _plan_memory(self, layout: ParallelLayout) -> str:
+        """Snapshots only where they fit the nodes' memory (never an OOM-killed node); the
+        reason they are off is returned the first time only."""
+        if not self.wanted:
+            return ""
+        plan = plan_snapshot_memory(self.spec, layout, ray_node_memory_bytes())
+        self.snapshots_on = plan.enabled
+        if plan.enabled or self.told_off:
+            return ""
+        self.told_off = True
+        logger.warning("job %s: in-memory snapshots off: %s", self.job_id, plan.reason)
+        return plan.reason
 
     def place(self, group: WorkerGroup | None, layout: ParallelLayout, faults: list[Any],
               ledger: Any, head_node: str) -> Placed:
         """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail."""
         prepared = self.memory.prepare(group.live_actors()) \
-            if group is not None and self.snapshots_on else None
+            if group is not None and self.wanted else None
+        notice = self._plan_memory(layout)
         self.generation += 1
         group = group or WorkerGroup(self.job_id, self.gpus_per_node)
         run = (layout, faults, ledger, head_node, prepared)
         try:
             reuse, source = self._create_and_start(group, *run)
-            return Placed(group, {**reuse, "mode": "warm" if reuse["reused"] else "cold"}, source)
+            return Placed(group, {**reuse, "mode": "warm" if reuse["reused"] else "cold"}, source,
+                          notice)
         except PLACEMENT_ERRORS as err:
             if not group.blocks and not group.ranks:
                 group.shutdown()
@@ -66,7 +81,7 @@ class Placer:
         except PLACEMENT_ERRORS:
             group.shutdown()
             raise
-        return Placed(group, {**reuse, "mode": "cold"}, source)
+        return Placed(group, {**reuse, "mode": "cold"}, source, notice)
 
     def _create_and_start(self, group: WorkerGroup, layout: ParallelLayout, faults: list[Any],
                           ledger: Any, head_node: str,

@@ -34,16 +34,28 @@ def test_clean_job_succeeds_on_loopback(clean):
     assert 0 < done["goodput"]["goodput"] <= 1
 
 
-def test_killed_rank_resumes_from_checkpoint_with_same_losses(tmp_path, clean):
+def test_killed_rank_resumes_from_memory_losing_at_most_one_step(tmp_path, clean):
     spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2"])
     job = run_job(spec, chaos="kill rank=1 at=13")
     assert job.controller.state.value == "SUCCEEDED"
     failure = job.of("failure")[0]
     assert failure["rank"] == 1 and "SIGKILL" in failure["cause"]
     recovered = job.of("recovered")[0]
-    assert recovered["step"] == 10  # newest committed checkpoint before the kill
-    assert recovered["lost_steps"] == 2  # steps 11 and 12 were redone
+    assert recovered["source"] == "memory"  # the agents' snapshots, not checkpoint step 10
+    assert recovered["step"] in (11, 12) and recovered["lost_steps"] <= 1
     assert job.of("placed")[-1]["mode"] == "warm"
+    assert_same_losses(job.losses(), clean.losses())
+    assert job.controller.restarts == 1 and job.controller.lost_steps <= 1
+
+
+def test_without_memory_snapshots_a_killed_rank_resumes_from_storage(tmp_path, clean):
+    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2",
+                                "checkpoint.memory_every_steps=0"])
+    job = run_job(spec, chaos="kill rank=1 at=13")
+    assert job.controller.state.value == "SUCCEEDED"
+    recovered = job.of("recovered")[0]
+    assert recovered["step"] == 10 and recovered["source"] == "storage"  # as before snapshots
+    assert recovered["lost_steps"] == 2  # steps 11 and 12 were redone
     assert_same_losses(job.losses(), clean.losses())
     assert job.controller.restarts == 1 and job.controller.lost_steps == 2
 

@@ -140,13 +140,18 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
                           + (f" ({f['kind']})" if f.get("kind") else "") + f": {f['cause']}"),
     "recovered": lambda f: (f"Recovered from step {f['step']} on {layout_text(f.get('layout'))} "
                             f"in {f.get('seconds', 0):.1f} s "
-                            f"({_plural(f.get('lost_steps', 0), 'step')} lost)"),
+                            f"({_plural(f.get('lost_steps', 0), 'step')} lost"
+                            + (f", read from {f['source']}" if f.get("source") else "") + ")"),
     "checkpoint": lambda f: (f"Checkpoint of step {f['step']} committed: training blocked "
                              f"{f.get('blocked_s', 0):.3f} s, save took {f.get('total_s', 0):.2f} s"),
     "checkpoint_failed": lambda f: (f"Checkpoint of step {f['step']} failed and training goes on: "
                                     f"{f.get('cause', 'unknown cause')}"),
     "checkpoint_loaded": lambda f: (f"Loaded the checkpoint of step {f['step']} in "
-                                    f"{f.get('seconds', 0):.1f} s"),
+                                    f"{f.get('seconds', 0):.1f} s"
+                                    + (f" from {f['source']}" if f.get("source") else "")),
+    "snapshot": lambda f: (f"Rank {f.get('rank', '?')} kept step {f['step']} in memory "
+                           f"({f.get('bytes', 0)} bytes in {f.get('seconds', 0):.3f} s)"),
+    "snapshots_off": lambda f: f"In-memory snapshots are off: {f.get('reason', '')}",
     "started": lambda f: f"Rank {f.get('rank', 0)} started at step {f['step']}",
     "straggler": lambda f: (f"Rank {f['rank']} is a straggler (score {f['score']:.2f} of the "
                             f"median); action {f.get('action', 'alert')}"),

@@ -1,0 +1,51 @@
+"""Per-rank jobs for the in-memory snapshot tests (importable by spawned ranks)."""
+from __future__ import annotations
+
+from typing import Any
+
+from tests.ckpt_jobs import ckpt_spec, full_state
+
+
+def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """dp2 ZeRO-1: one step, then a storage save and an in-memory snapshot of step 1; two more
+    steps change every tensor while both copy. Returns the full state at step 1 (rank 0)."""
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.planning import all_ranks_agree
+    from checkpoint.snapshot import MemorySnapshotter
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(f"file://{root}/storage")
+    trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
+    trainer.run_step()
+    at_save = full_state(trainer)
+    done: list[dict[str, Any]] = []
+    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        snaps = MemorySnapshotter(spec, mgr.state, rank, world, f"{root}/snap-{rank}", 7,
+                                  all_ranks_agree, done.append)
+        mgr.save(1)
+        snaps.snapshot(1)
+        trainer.run_step()
+        trainer.run_step()
+        snaps.close()
+        mgr.wait()
+    return {"at_save": at_save if rank == 0 else None, "done": done}
+
+
+def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> dict[str, Any]:
+    """Load step 1 into tp2 from storage, then from the assembled snapshot; full states."""
+    from checkpoint.manager import CheckpointManager
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(storage_uri)
+    out: dict[str, Any] = {}
+    for name, source in (("storage", None), ("memory", memory_uri)):
+        trainer = Trainer(spec, ParallelLayout(tp=2, micro_batch_size=1))
+        with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+            step = mgr.load(source_uri=source)
+            events = mgr.drain_events()
+        out[name] = {"step": step, "state": full_state(trainer),
+                     "cursor": trainer.loader.state_dict()["samples_consumed"],
+                     "source": [e.get("source") for e in events if e["event"] == "checkpoint_loaded"]}
+    return out if rank == 0 else {}

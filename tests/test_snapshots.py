@@ -1,0 +1,107 @@
+"""In-memory snapshots: torn ones are never used, and a snapshot reshards exactly like storage."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from checkpoint.restore import assemble_version
+from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp
+from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
+from tests.distributed import run_ranks
+from tests.snapshot_jobs import load_both_job, snapshot_and_save_job
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMIT = {"layout": {"dp": 1}, "model_hash": "h", "data_cursor": 4, "seed": 0, "lr_step": 1,
+          "extra": {"format": "tenax-raw-2"}}
+
+
+def _stamp(step: int, files: dict[str, bytes], generation: int = 1) -> SnapshotStamp:
+    from checkpoint.snapshot_store import crc32c_of
+
+    return SnapshotStamp(generation, 0, 1, step, {n: [len(d), crc32c_of([d])] for n, d in files.items()},
+                         COMMIT)
+
+
+def _killed_mid_copy(root: str) -> None:
+    """Begin step 2, write half its bytes, die by SIGKILL (no cleanup of any kind)."""
+    store = SnapshotDir(root)
+    partial = store.begin(1, 0, 2)
+    with open(os.path.join(partial, "shard"), "wb") as f:
+        f.write(b"x" * 1000)
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_snapshot_torn_by_a_killed_process_is_never_used(tmp_path):
+    store = SnapshotDir(str(tmp_path))
+    store.write(_stamp(1, {"shard": b"a" * 2000}), {"shard": b"a" * 2000})
+    proc = mp.get_context("spawn").Process(target=_killed_mid_copy, args=(str(tmp_path),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert [s.step for s in store.complete()] == [1]  # the torn step 2 is invisible
+    stamp, files = store.read(1, 0, 1)
+    assert files["shard"] == b"a" * 2000 and stamp.step == 1
+    with pytest.raises(SnapshotError):
+        store.read(1, 0, 2)
+    # a damaged byte is caught by the checksum, a truncated file by its size
+    path = os.path.join(store.series(1, 0), "s1", "shard")
+    with open(path, "r+b") as f:
+        f.write(b"b")
+    with pytest.raises(SnapshotError, match="torn or damaged"):
+        store.read(1, 0, 1)
+
+
+def test_double_buffer_keeps_the_newest_two_by_write_order(tmp_path):
+    store = SnapshotDir(str(tmp_path), keep=2)
+    for step in (5, 6, 7, 3):  # 3 written last (a job that fell back to an older step)
+        store.write(_stamp(step, {"shard": b"z"}), {"shard": b"z"})
+    assert [s.step for s in store.complete()] == [3, 7]
+    store.write(_stamp(1, {"shard": b"z"}, generation=4), {"shard": b"z"})
+    assert {(s.generation, s.step) for s in store.complete()} == {(4, 1)}  # gens < 3 dropped
+
+
+def piece(holder, kind, rank, step, world=2, gen=1):
+    return SnapshotPiece(holder, kind, gen, rank, world, step)
+
+
+@pytest.mark.parametrize("pieces, storage, want", [
+    ([], 10, ("storage", 10)),
+    ([piece(0, "local", 0, 12), piece(1, "local", 1, 12)], 10, ("memory", 12)),
+    ([piece(0, "local", 0, 12), piece(0, "local", 0, 11), piece(1, "replica", 1, 11)], 10,
+     ("replica", 11)),  # rank 1's step 12 is nowhere: 11 is the newest complete step
+    ([piece(0, "local", 0, 12), piece(1, "local", 1, 12)], 12, ("memory", 12)),  # tie: memory
+    ([piece(0, "local", 0, 9), piece(1, "local", 1, 9)], 10, ("storage", 10)),
+    ([piece(0, "local", 0, 12), piece(1, "local", 1, 12, gen=2)], None, ("storage", None)),
+])
+def test_recovery_source_picks_the_newest_complete_step(pieces, storage, want):
+    decision = choose_recovery_source(pieces, storage)
+    assert (decision.source, decision.step) == want, decision.reason
+
+
+def test_recovery_source_prefers_a_local_piece_to_a_replica():
+    d = choose_recovery_source([piece(1, "replica", 0, 5), piece(0, "local", 0, 5),
+                                piece(1, "local", 1, 5)], None)
+    assert d.source == "memory" and d.holders == ((0, 0, "local"), (1, 1, "local"))
+
+
+def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
+    root = str(tmp_path)
+    saved = run_ranks(snapshot_and_save_job, 2, root)
+    assert [d["step"] for d in saved[0]["done"]] == [1]
+    pieces = [SnapshotDir(f"{root}/snap-{r}").read(7, r, 1) for r in range(2)]
+    memory_uri = assemble_version(f"{root}/restore", pieces)
+    loaded = run_ranks(load_both_job, 2, f"file://{root}/storage", memory_uri)[0]
+    storage, memory = loaded["storage"], loaded["memory"]
+    assert storage["step"] == memory["step"] == 1 and storage["cursor"] == memory["cursor"]
+    assert memory["source"] == ["memory"] and storage["source"] == ["storage"]
+    at_save = saved[0]["at_save"]
+    assert set(memory["state"]) == set(storage["state"]) == set(at_save)
+    for key, tensor in storage["state"].items():
+        assert torch.equal(memory["state"][key], tensor), key
+        assert torch.equal(tensor, at_save[key]), key  # the later steps did not leak in
