@@ -24,49 +24,30 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
 
-from orchestrator.capacity import NodeProbes, cluster_capacity
+from orchestrator.capacity import cluster_capacity
 from orchestrator.goodput import Goodput
+from orchestrator.job_facts import Recovery, Rescaling
 from orchestrator.health import StragglerFlag, StragglerTracker
+from orchestrator.placement import PLACEMENT_ERRORS, Placer
 from orchestrator.inbox import CancelRequest, Inbox, NodeLostReport, PreemptRequest, ScaleRequest
 from orchestrator.policies import (STARTUP_HANG_FACTOR, Action, Capacity, Decision, JobSnapshot,
                                    Limits, NodeLossPolicy, ScalingPolicy, decide, restart_or_fail)
 from orchestrator.scheduler import allotted_capacity, preempt_decision
 from orchestrator.spec import JobSpec
 from orchestrator.states import DEADLINES, JobState, next_state
-from orchestrator.worker_group import PlacementError, WorkerGroup
+from orchestrator.worker_group import WorkerGroup
 from parallel.layout import ParallelLayout
 from workers.events import Event
 
 logger = logging.getLogger(__name__)
 
 CAPACITY_CHECK_S = 2.0  # how often a running job looks for nodes that joined (cheap GCS call)
-PLACEMENT_ERRORS = (PlacementError, ray.exceptions.RayError, TimeoutError)
 
 __all__ = ["Controller", "JobState"]
-
-
-@dataclass
-class Recovery:
-    """What RECOVERING decides from: the failure, rank health when it was decided (heartbeat
-    ages must not keep growing while nobody polls), node-lost reports, node probes."""
-    failure: Decision | None = None
-    health: tuple[Any, ...] = ()
-    failed_at: float | None = None  # the first failure since the last resumed step
-    reported_lost: set[int] = field(default_factory=set)
-    probes: NodeProbes = field(default_factory=NodeProbes)
-
-
-@dataclass
-class Rescaling:
-    """A planned re-plan in flight: the layout it leaves and when it began."""
-    old: ParallelLayout | None = None
-    since: float = 0.0
-    stopped: bool = False  # every rank stopped at the boundary: the next start is `scaled`
 
 
 class Controller:
@@ -91,6 +72,10 @@ class Controller:
         self.goodput = Goodput(self.state_since)
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
         self.rescaling = Rescaling()
+        # Placing and starting actors on a loaded host can take longer than a step may hang;
+        # it gets the same allowance as a rank that is still starting.
+        self.placer = Placer(self.job_id, spec,
+                             STARTUP_HANG_FACTOR * spec.fault_tolerance.hang_timeout_s)
         self.capacity_limit: Callable[[], int] | None = None  # tenax serve: nodes allotted
         self.preempt_reason = ""  # tenax serve: stop at a boundary and end, to be requeued
         self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
@@ -292,26 +277,17 @@ class Controller:
                         f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
 
     def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
-        """Warm: reuse live actors and fork new training processes. Cold fallback: new group."""
-        # Placing and starting actors on a loaded host can take longer than a step may hang;
-        # it gets the same allowance as a rank that is still starting.
-        timeout = STARTUP_HANG_FACTOR * self.spec.fault_tolerance.hang_timeout_s
-        if self.group is None:
-            self.group = WorkerGroup(self.job_id, self.limits.gpus_per_node)
+        """Place and start (orchestrator/placement.py); a failure leaves no group behind."""
         try:
-            reuse = self.group.create(layout, timeout)
-            self.group.start(self.spec.to_dict(), self.rank_faults, self.ledger, timeout, self.head_node)
-            return {**reuse, "mode": "warm" if reuse["reused"] else "cold"}
-        except PLACEMENT_ERRORS as err:
-            if not self.group.blocks and not self.group.ranks:
-                raise
-            logger.warning("job %s: warm re-join failed (%s); falling back to a cold start",
-                           self.job_id, err)
-        self._stop_group()
-        self.group = WorkerGroup(self.job_id, self.limits.gpus_per_node)
-        reuse = self.group.create(layout, timeout)
-        self.group.start(self.spec.to_dict(), self.rank_faults, self.ledger, timeout, self.head_node)
-        return {**reuse, "mode": "cold"}
+            placed = self.placer.place(self.group, layout, self.rank_faults, self.ledger,
+                                       self.head_node)
+        except PLACEMENT_ERRORS:
+            self.group = None
+            raise
+        self.group, self.recovery.source = placed.group, placed.source
+        if placed.notice:
+            self.publish("snapshots_off", reason=placed.notice)
+        return placed.reuse
 
     def _on_failure(self, decision: Decision) -> None:
         """RESTART and FAIL: report the root cause; keep the facts RECOVERING decides from."""
@@ -324,7 +300,7 @@ class Controller:
                          ranks=list(decision.failed_ranks), cause=decision.reason,
                          kind=decision.cause_kind)
         if decision.action == Action.FAIL or decision.cause_kind == "placement":
-            self._stop_group()  # a failed placement starts cold
+            self._stop_group(keep_snapshots=decision.action != Action.FAIL)  # restart cold
 
     def _on_success(self, decision: Decision) -> None:
         extra = {} if self.stepped else {"already_complete": True}
@@ -351,8 +327,10 @@ class Controller:
         self.recovery.reported_lost.clear()
         self.recovery.probes.reset()
 
-    def _stop_group(self) -> None:
+    def _stop_group(self, keep_snapshots: bool = False) -> None:
         if self.group is not None:
+            if not keep_snapshots:  # the job ends: nothing will resume from them
+                self.group.drop_snapshots(self.spec.fault_tolerance.heartbeat_timeout_s)
             self.group.shutdown()
             self.group = None
 
@@ -393,9 +371,14 @@ class Controller:
         lost = max(0, self.max_step_seen - resumed)
         self.lost_steps += lost
         self.goodput.lost_steps(lost)
+        source = rec.source if record.get("source") == "memory" else \
+            record.get("source") or "none"
+        seconds = round(time.monotonic() - rec.failed_at, 3)
+        logger.info("job %s: recovered at step %d from %s in %.2fs, %d step(s) lost",
+                    self.job_id, resumed, source, seconds, lost)
         self.publish("recovered", step=resumed, layout=self.layout.degrees(),
-                     world_size=self.layout.world_size, lost_steps=lost,
-                     seconds=round(time.monotonic() - rec.failed_at, 3))
+                     world_size=self.layout.world_size, lost_steps=lost, seconds=seconds,
+                     source=source)
         rec.failed_at = None
 
     # ---- capacity and status -----------------------------------------------------------------
