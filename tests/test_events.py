@@ -18,7 +18,10 @@ LAYOUT = {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero": 1}
 EXAMPLES = {
     "step": {"step": 12, "loss": 5.91, "tokens_per_s": 8123.0, "world_size": 4, "layout": LAYOUT},
     "failure": {"step": 30, "rank": 1, "cause": "rank 1 died (SIGKILL)", "kind": "dead"},
-    "recovered": {"step": 20, "layout": LAYOUT, "seconds": 4.2, "lost_steps": 1, "world_size": 4},
+    "recovered": {"step": 20, "layout": LAYOUT, "seconds": 4.2, "lost_steps": 1, "world_size": 4,
+                  "source": "memory"},
+    "snapshot": {"step": 20, "bytes": 1024, "seconds": 0.01, "generation": 1},
+    "snapshots_off": {"reason": "checkpoint.memory_every_steps=1: 3 GiB per node exceeds 0.5 x 4 GiB"},
     "checkpoint": {"step": 20, "blocked_s": 0.01, "total_s": 0.4},
     "checkpoint_failed": {"step": 20, "cause": "OSError: disk full"},
     "checkpoint_loaded": {"step": 20, "seconds": 1.5},
