@@ -40,33 +40,49 @@ class NodeProbes:
 
     def __init__(self) -> None:
         self.refs: dict[str, Any] = {}
+        self.pings: dict[Any, str] = {}  # a live agent's ping -> its node (answers in ms)
         self.answered: set[str] = set()
         self.refused: set[str] = set()  # the probe failed outright: the node is unreachable
         self.started = False
 
-    def start(self, node_ids: tuple[str, ...]) -> None:
+    def start(self, node_ids: tuple[str, ...], agents: dict[str, list[Any]] | None = None) -> None:
+        """Probe each node with a pinned task and, where the job has agents there, a ping of
+        each: an agent that answers proves its node alive without waiting for the task's
+        worker process to start (seconds on a busy node); only the task can say it is gone."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.started = True
         for node in node_ids:
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
             self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
+            for actor in (agents or {}).get(node, []):
+                self.pings[actor.ping.remote()] = node
         if node_ids:
             logger.info("probing %d node(s) at once: %s", len(node_ids),
                         ", ".join(n[:8] for n in node_ids))
 
     def collect(self, wait_s: float) -> None:
-        pending = {ref: node for node, ref in self.refs.items()
-                   if node not in self.answered | self.refused}
-        if not pending:
+        done = self.answered | self.refused
+        tasks = {ref: node for node, ref in self.refs.items() if node not in done}
+        pings = {ref: node for ref, node in self.pings.items() if node not in done}
+        if not tasks:
             return
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        ready, _ = ray.wait(list(tasks) + list(pings), num_returns=1, timeout=wait_s)
+        ready, _ = ray.wait(list(tasks) + list(pings), num_returns=len(tasks) + len(pings),
+                            timeout=0)
         for ref in ready:
+            node = tasks.get(ref) or pings[ref]
             try:
                 ok = bool(ray.get(ref, timeout=0))
             except (ray.exceptions.RayError, TimeoutError):
                 ok = False
-            (self.answered if ok else self.refused).add(pending[ref])
+            if ok:
+                self.answered.add(node)
+            elif ref in tasks:  # a dead agent says nothing about its node; a failed task does
+                self.refused.add(node)
+            self.pings.pop(ref, None)
+        self.refused -= self.answered
 
     def reset(self) -> None:
         self.refs, self.answered, self.refused, self.started = {}, set(), set(), False
+        self.pings = {}

@@ -175,7 +175,8 @@ class Controller:
         interval = self.spec.fault_tolerance.heartbeat_interval_s
         if self.state == JobState.RECOVERING:
             if not self.recovery.probes.started:
-                self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()))
+                self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()),
+                                           self.group.agents_by_node() if self.group else None)
             self.recovery.probes.collect(interval)
             return []
         if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:

@@ -189,6 +189,14 @@ class WorkerGroup:
         """Every actor of every block not known dead (snapshot holders, old layout included)."""
         return [h.actor for b in self.blocks if not b["lost"] for h in b["slots"] if h.dead is None]
 
+    def agents_by_node(self) -> dict[str, list[Any]]:
+        """Node id -> the job's agents there that Ray has not reported dead (probe targets)."""
+        out: dict[str, list[Any]] = {}
+        for h in self.ranks:
+            if h.dead is None and h.node_id:
+                out.setdefault(h.node_id, []).append(h.actor)
+        return out
+
     def drop_snapshots(self, timeout_s: float) -> None:
         """The job ended: one live agent per node removes the job's snapshots there."""
         per_node = {h.node_id: h.actor for b in self.blocks for h in b["slots"]

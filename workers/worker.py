@@ -152,6 +152,10 @@ class RankWorker:
                 return node["NodeManagerAddress"]
         return ray.util.get_node_ip_address()
 
+    def ping(self) -> bool:
+        """A node probe: this agent answers, so its node is alive."""
+        return True
+
     def free_port(self) -> int:
         """A free TCP port on this node's address, for rank 0's rendezvous store."""
         with socket.socket() as s:
