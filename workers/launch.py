@@ -132,10 +132,7 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
         try:
             while trainer.step < target:
                 if should_stop is not None and _any_rank_says(should_stop()):
-                    mgr.save(trainer.step)  # skipped when this step is saved or resumed from
-                    mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
-                    report(mgr.drain_events())
-                    return {"event": "stopped", "step": trainer.step, **base}
+                    return _stop_at_boundary(mgr, trainer.step, report, base)
                 if slow_factor is not None:  # chaos `slow`: this rank computes F times slower
                     trainer.slow_factor = slow_factor()
                 record = _step_record(trainer.run_step(), base)
@@ -152,6 +149,15 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
         mgr.close()
         report(mgr.drain_events())
     return record
+
+
+def _stop_at_boundary(mgr: Any, step: int, report: Callable[[list[dict[str, Any]]], None],
+                      base: dict[str, Any]) -> dict[str, Any]:
+    """A planned stop: every rank saves this step (skipped when it is saved or resumed from)."""
+    mgr.save(step)
+    mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
+    report(mgr.drain_events())
+    return {"event": "stopped", "step": step, **base}
 
 
 @dataclass
