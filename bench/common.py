@@ -249,6 +249,25 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     logger.info("wrote %s", path)
 
 
+def snapshot_leftovers(job_prefix: str) -> list[str]:
+    """In-memory snapshot directories (checkpoint/snapshot_store.py) of jobs whose id starts
+    with `job_prefix` that are still on this host: a finished job must leave none."""
+    from checkpoint.snapshot_store import snapshot_root
+
+    root = snapshot_root()
+    try:
+        return sorted(os.path.join(root, n) for n in os.listdir(root) if n.startswith(job_prefix))
+    except FileNotFoundError:
+        return []
+
+
+def recoveries(job: TimedJob) -> list[dict[str, Any]]:
+    """Per `recovered` event: where the ranks resumed from, at which step, how many steps were
+    redone and how long the controller took (failure -> started)."""
+    return [{k: e.get(k) for k in ("source", "step", "lost_steps", "seconds", "world_size")}
+            for e in job.of("recovered")]
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     if num is None or not den:
         return None

@@ -15,16 +15,23 @@ only a side-by-side run makes that comparable. Figures:
   computed but not committed);
 - cost per fault in seconds, and the fault interval that this cost would need to meet 0.95.
 Faults are `kill rank` (SIGKILL of one rank's training process) at steps 50, 100, ...;
-checkpoints every 10 steps (at most 9 steps lost per fault). The final losses must match.
+storage checkpoints every 10 steps (each fault lands right before one: without in-memory
+snapshots 9 steps are redone, the worst case). Both runs take in-memory snapshots every step
+(`checkpoint.memory_every_steps=1`, the default), so a fault should resume from `memory` with
+at most 1 step redone; the source, step and lost steps of every resume are reported. A third
+run, the faulted one with snapshots off (`memory_every_steps=0`, i.e. storage only), shows
+what the snapshots buy (skip it with --no-off). The final losses must match.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 from typing import Any
 
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, ratio
+from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args, ratio, recoveries,
+                          snapshot_leftovers)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,10 @@ FAULT_EVERY = 50
 TIMEOUT_S = 1800.0
 
 
-def run(root: str, steps: int, chaos: str | None, name: str) -> dict[str, Any]:
-    job = TimedJob(make_spec(root, MODEL + [f"train.steps={steps}"], name), chaos).run(TIMEOUT_S)
+def run(root: str, steps: int, chaos: str | None, name: str,
+        extra: list[str] | None = None) -> dict[str, Any]:
+    spec = make_spec(root, MODEL + [f"train.steps={steps}"] + (extra or []), name)
+    job = TimedJob(spec, chaos).run(TIMEOUT_S)
     done = (job.of("done") or [{}])[-1]
     first = job.first_step_after(job.started_at)
     end = done.get("t", job.finished_at)
@@ -51,7 +60,10 @@ def run(root: str, steps: int, chaos: str | None, name: str) -> dict[str, Any]:
             "steps_computed": len(job.of("step")), "steps": steps,
             "restarts": job.controller.restarts, "lost_steps": job.controller.lost_steps,
             "goodput": done.get("goodput", {}), "final_loss": job.losses().get(steps),
-            "recoveries_s": [e["seconds"] for e in job.of("recovered")]}
+            "recoveries": recoveries(job),
+            "memory_every_steps": spec.checkpoint.memory_every_steps,
+            "snapshot_bytes": [e.get("bytes") for e in job.of("snapshot")][-1:],
+            "shm_left": snapshot_leftovers(job.controller.job_id)}
 
 
 def stalls(job: TimedJob) -> list[float]:
@@ -70,6 +82,33 @@ def _normalized_rate(r: dict[str, Any]) -> float:
     """Time the committed steps themselves took ÷ wall: the share of the run that produced
     kept work, at whatever speed the shared host gave each step (immune to its drift)."""
     return r["committed_step_time_s"] / r["wall_s"]
+
+
+def add_source_rows(report: Report, faulted: dict[str, Any]) -> None:
+    """Where each resume came from and what it redid (goal: memory, <= 1 step)."""
+    recs = faulted["recoveries"]
+    from_memory = [r for r in recs if r["source"] in ("memory", "replica")]
+    report.add("resumes from memory ÷ faults", ratio(len(from_memory), faulted["restarts"]),
+               ">= 1", "; ".join(f"{r['source']}@{r['step']} lost {r['lost_steps']} "
+                                 f"in {r['seconds']:.2f}s" for r in recs) or "no resume")
+    lost = [r["lost_steps"] for r in recs if r["lost_steps"] is not None]
+    report.add("lost steps per fault (worst)", max(lost) if lost else None, "<= 1",
+               f"per fault {lost}; storage checkpoints every 10 steps")
+    left = faulted["shm_left"]
+    report.add("snapshot dirs left in /dev/shm after the job", len(left), "<= 0",
+               ", ".join(left)[:200])
+
+
+def add_off_rows(report: Report, clean: dict[str, Any], off: dict[str, Any]) -> None:
+    """The same faults with snapshots off: what storage-only recovery keeps (main: 0.78-0.82)."""
+    lost = [r["lost_steps"] for r in off["recoveries"]]
+    report.add("snapshots off: committed-step rate faulted ÷ clean",
+               ratio(clean["wall_s"], off["wall_s"]),
+               note=f"memory_every_steps=0: {off['wall_s']:.1f} s; lost steps per fault {lost}; "
+               f"sources {[r['source'] for r in off['recoveries']]}")
+    report.add("snapshots off: same, host-speed normalized",
+               ratio(_normalized_rate(off), _normalized_rate(clean)),
+               note="clean run has snapshots on (their cost: overhead_bench)")
 
 
 def add_rows(report: Report, clean: dict[str, Any], faulted: dict[str, Any]) -> None:
@@ -107,8 +146,13 @@ def add_rows(report: Report, clean: dict[str, Any], faulted: dict[str, Any]) -> 
                "== 1 ±1e-5", "identical within 1e-5" if same else "DIFFERS")
 
 
+def _extra(parser: Any) -> None:
+    parser.add_argument("--no-off", action="store_true",
+                        help="skip the faulted run with in-memory snapshots off")
+
+
 def main() -> int:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, _extra)
     steps = 100 if args.quick else 200
     kills = [(1 if i % 2 == 0 else 0, at) for i, at in enumerate(range(FAULT_EVERY, steps + 1,
                                                                          FAULT_EVERY))]
@@ -116,11 +160,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tenax-goodput-") as root, local_ray(gpus=2):
         clean = run(root, steps, None, "goodput-clean")
         faulted = run(root, steps, chaos, "goodput-faulted")
+        off = None if args.no_off else run(root, steps, chaos, "goodput-faulted-off",
+                                           ["checkpoint.memory_every_steps=0"])
     report = Report(f"Goodput with a rank killed every {FAULT_EVERY} steps vs fault-free")
     add_rows(report, clean, faulted)
-    report.context = {"quick": args.quick, "clean": clean, "faulted": faulted, "model": MODEL}
+    add_source_rows(report, faulted)
+    if off is not None:
+        add_off_rows(report, clean, off)
+    report.context = {"quick": args.quick, "clean": clean, "faulted": faulted, "off": off,
+                      "model": MODEL, "load_avg": os.getloadavg()}
     report.finish(args.json_path)
-    return 0 if clean["state"] == faulted["state"] == "SUCCEEDED" else 1
+    runs = [clean, faulted] + ([off] if off else [])
+    return 0 if all(r["state"] == "SUCCEEDED" for r in runs) else 1
 
 
 if __name__ == "__main__":
