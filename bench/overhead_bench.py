@@ -22,6 +22,16 @@ the back-to-back pairs so that drift of the shared host hits both sides alike. F
   cores the ranks saturate, 1 − that ÷ cores is the throughput ratio it implies, independent
   of what other tenants of the host do.
 Checkpoints are written only at the last step (their cost is bench/checkpoint_bench.py's job).
+
+Part 2, in-memory snapshots (issue 13): the same job under the controller with per-step
+snapshots (`checkpoint.memory_every_steps=1`, the default) ÷ without (`=0`), goal >= 0.97.
+Two logical nodes x 1 slot on one local Ray, so each step's snapshot is also replicated to the
+other node's agent: the whole cost (plan, copy into /dev/shm off the critical path, fence at
+the next optimizer step, replica send) lands on the same 2 cores. Runs alternate on/off/off/on
+... in one Ray session; each ratio is the median over the pairs. Also reported: the bytes of
+one rank's snapshot (the `snapshot` events) and the /dev/shm bytes the job actually held per
+rank at its last step (own double buffer + the peer's replica + nothing else).
+`--part snapshots|orchestration` runs one part only.
 """
 from __future__ import annotations
 
@@ -118,14 +128,82 @@ def run_ray(root: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    args = parse_args(__doc__)
-    steps, pairs = (30, 2) if args.quick else (40, 4)
+SNAP_RESOURCES = ["resources.nodes=2", "resources.gpus_per_node=1"]
+
+
+def shm_bytes(job_id: str) -> int:
+    """Bytes under the job's snapshot directory on this host (local + replica + restore)."""
+    from checkpoint.snapshot_store import snapshot_root
+
+    total = 0
+    for base, _, files in os.walk(os.path.join(snapshot_root(), job_id)):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(base, name))
+            except OSError:
+                pass  # pruned while we walked
+    return total
+
+
+def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
+    """One job in the current Ray session with memory_every_steps=`every`."""
+    spec = make_spec(root, MODEL + SNAP_RESOURCES + [
+        f"train.steps={steps}", f"checkpoint.every_steps={steps}",
+        f"checkpoint.memory_every_steps={every}"], f"overhead-snap{every}")
+    job = TimedJob(spec).start()
+    job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
+    held = shm_bytes(job.controller.job_id)
+    job.finish(TIMEOUT_S)
+    if job.state != "SUCCEEDED":
+        raise RuntimeError(f"snapshot variant {every}: {job.state}: {job.controller.cause}")
+    out = summarize(job.of("step"), f"memory_every_steps={every}")
+    steady = [e for e in job.of("step") if e["step"] > WARMUP and e.get("cpu_time") is not None]
+    if len(steady) > 1:
+        out["rank_cpu_s_per_step"] = (steady[-1]["cpu_time"] - steady[0]["cpu_time"]) / \
+            (steady[-1]["step"] - steady[0]["step"])
+    out["snapshot_bytes"] = sorted({e["bytes"] for e in job.of("snapshot") if e.get("bytes")})
+    out["snapshots"] = len(job.of("snapshot"))
+    out["shm_bytes_held"], out["world"] = held, spec.resources.world_size
+    return out
+
+
+def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
+    steps, pairs = (30, 3) if quick else (40, 6)
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="tenax-overhead-") as root:
-        for _ in range(pairs):
-            runs.append(run_bare(root, steps))
-            runs.append(run_ray(root, steps))
+    with local_ray(gpus=2):
+        for i in range(pairs):  # ABBA: drift of the shared host hits both sides alike
+            order = (1, 0) if i % 2 == 0 else (0, 1)
+            pair = {every: run_snapshot_variant(root, steps, every) for every in order}
+            runs += [pair[1], pair[0]]
+    on, off = runs[0::2], runs[1::2]
+    for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
+        pair = sorted(a[key] / b[key] for a, b in zip(on, off))
+        report.add(f"{label} tokens/s: snapshots every step ÷ off", statistics.median(pair),
+                   ">= 0.97", f"median of {len(pair)} pairs (range {pair[0]:.3f}-{pair[-1]:.3f}); "
+                   f"{statistics.mean(r[key] for r in on):.0f} vs "
+                   f"{statistics.mean(r[key] for r in off):.0f} tokens/s")
+    cpu = sorted(b["rank_cpu_s_per_step"] / a["rank_cpu_s_per_step"] for a, b in zip(on, off)
+                 if "rank_cpu_s_per_step" in a and "rank_cpu_s_per_step" in b)
+    if cpu:
+        report.add("rank CPU per step: off ÷ snapshots", statistics.median(cpu),
+                   note=f"rank 0's CPU seconds per step (copy thread included), pairs "
+                   f"{cpu[0]:.3f}-{cpu[-1]:.3f}; less load-sensitive than tokens/s")
+    sizes = [b for r in on for b in r["snapshot_bytes"]]
+    held = [r["shm_bytes_held"] / r["world"] for r in on]
+    report.add("host memory: one rank's snapshot", max(sizes) / 2**20 if sizes else None,
+               unit="MiB", note=f"from the snapshot events; {on[0]['snapshots']} snapshots per run")
+    report.add("host memory held per rank in /dev/shm", max(held) / 2**20, unit="MiB",
+               note=f"measured at the last step: {max(held) / max(sizes or [1]):.2f} x one "
+               f"snapshot (double buffer + peer's replica)")
+    return runs
+
+
+def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
+    steps, pairs = (30, 2) if quick else (40, 4)
+    runs: list[dict[str, Any]] = []
+    for _ in range(pairs):
+        runs.append(run_bare(root, steps))
+        runs.append(run_ray(root, steps))
     bare = [r for r in runs if r["side"] == "bare launcher"]
     ray_ = [r for r in runs if r["side"] == "Ray controller"]
     if {str(r["layout"]) for r in runs} != {str(bare[0]["layout"])}:
@@ -134,7 +212,6 @@ def main() -> int:
     def mean(rs: list[dict[str, Any]], key: str) -> float:
         return statistics.mean(r[key] for r in rs)
 
-    report = Report("Orchestration overhead: Ray controller vs bare launcher (same rank code)")
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(r[key] / b[key] for b, r in zip(bare, ray_))
         report.add(f"{label} tokens/s: Ray ÷ bare", statistics.median(pair), ">= 0.95",
@@ -153,8 +230,25 @@ def main() -> int:
     report.add("median step (bare)", mean(bare, "median_step_s"), unit="s",
                note=f"{bare[0]['layout']}, {bare[0]['steady_steps']} steady steps x {pairs} run(s)")
     report.add("median step (Ray)", mean(ray_, "median_step_s"), unit="s")
-    report.context = {"quick": args.quick, "steps": steps, "warmup": WARMUP, "runs": runs,
-                      "model": MODEL}
+    return runs
+
+
+def _extra(parser: Any) -> None:
+    parser.add_argument("--part", choices=("all", "snapshots", "orchestration"), default="all")
+
+
+def main() -> int:
+    args = parse_args(__doc__, _extra)
+    report = Report("Overhead: in-memory snapshots and orchestration, side by side")
+    context: dict[str, Any] = {"quick": args.quick, "warmup": WARMUP, "model": MODEL,
+                               "load_avg_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory(prefix="tenax-overhead-") as root:
+        if args.part in ("all", "snapshots"):
+            context["snapshot_runs"] = snapshot_part(root, args.quick, report)
+        if args.part in ("all", "orchestration"):
+            context["orchestration_runs"] = orchestration_part(root, args.quick, report)
+    context["load_avg_after"] = os.getloadavg()
+    report.context = context
     report.finish(args.json_path)
     return 0
 
