@@ -41,11 +41,13 @@ class MemorySnapshotter:
 
     def __init__(self, spec: Any, state: Any, rank: int, world: int, root: str,
                  generation: int, agree: Callable[[bool], bool],
-                 on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_done: Callable[[dict[str, Any]], None] | None = None,
+                 replicated: bool = False) -> None:
         self.spec, self.state, self.rank, self.world = spec, state, rank, world
         self.store, self.generation = SnapshotDir(root), generation
-        self.agree, self.on_done = agree, on_done
+        self.agree, self.on_done, self.replicated = agree, on_done, replicated
         self.every = spec.checkpoint.memory_every_steps
+        self.skipped = 0
         self._cache: PlanCache | None = None
         self._thread: threading.Thread | None = None
         self._fence: Any = None
@@ -58,6 +60,11 @@ class MemorySnapshotter:
         """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
         self.wait()
         self._drop_fence()
+        if self.replicated and not self.agree(self._replica_caught_up()):
+            self.skipped += 1  # every rank skips alike: their newest steps stay the same
+            logger.info("rank %d: snapshot of step %d skipped: a replica is still on its way",
+                        self.rank, step)
+            return
         try:
             planned, self._cache = plan_save(self.state, self.rank, self._cache, self.agree)
         except Exception as exc:  # a snapshot is an optimisation: never stop training for it
@@ -75,6 +82,19 @@ class MemorySnapshotter:
         if hasattr(self.state, "fence_before_update"):
             self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
         thread.start()
+
+    def _replica_caught_up(self) -> bool:
+        """Whether the agent has sent (or given up on) this rank's newest snapshot.
+
+        Why wait for it: with 2 local buffers and 1 replica, a step is complete across nodes
+        only if the replica's step is still held locally by every other rank; taking a new
+        snapshot only once the last one reached the peer keeps that true however slow the
+        network is (a slow link then costs snapshot frequency, never consistency)."""
+        newest = self.store.newest_step(self.generation, self.rank)
+        if newest is None:
+            return True
+        sent = self.store.sent_step(self.generation, self.rank)
+        return sent is not None and sent >= newest
 
     def _commit_info(self, step: int) -> dict[str, Any]:
         d = self.state.describe()

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_ENV = "TENAX_SNAPSHOT_DIR"
 STAMP_NAME = "stamp.json"
+SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
 
@@ -159,6 +160,27 @@ class SnapshotDir:
             gen = int(name[1:].split("-")[0])
             if gen < generation - 1:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def mark_sent(self, generation: int, rank: int, step: int) -> None:
+        """The agent's word that `step` of this series reached the peer (or never will)."""
+        path = os.path.join(self.series(generation, rank), SENT_NAME)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(int(step)))
+        os.replace(tmp, path)
+
+    def sent_step(self, generation: int, rank: int) -> int | None:
+        try:
+            with open(os.path.join(self.series(generation, rank), SENT_NAME)) as f:
+                return int(f.read(32))
+        except (OSError, ValueError):
+            return None
+
+    def newest_step(self, generation: int, rank: int) -> int | None:
+        for stamp in self.complete():  # newest written first
+            if (stamp.generation, stamp.rank) == (generation, rank):
+                return stamp.step
+        return None
 
     def drop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -8,6 +8,8 @@ node either runs within the heartbeat timeout or the node is treated as lost.
 from __future__ import annotations
 
 import logging
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -15,6 +17,8 @@ import ray
 from orchestrator.policies import Capacity
 
 logger = logging.getLogger(__name__)
+
+RAYLET_CONNECT_S = 0.5
 
 
 @ray.remote(num_cpus=0)
@@ -32,6 +36,33 @@ def cluster_capacity(gpus_per_node: int, lost_slots: dict[str, int]) -> Capacity
         if gpus:
             parts.append(f"{node['NodeID'][:8]}: {usable} node(s)")
     return Capacity(nodes, f"({', '.join(parts)})")
+
+
+def _refused(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=RAYLET_CONNECT_S).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # a timeout proves nothing (a frozen or unreachable host)
+        return False
+    return False
+
+
+def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
+    """Nodes whose raylet port refuses a TCP connection: the process is gone. A crashed
+    node's kernel answers with a reset at once, while Ray takes ~14 s to declare it dead."""
+    try:
+        nodes = ray.nodes()
+    except Exception as exc:  # the GCS is unreachable: no proof either way
+        logger.warning("cannot list Ray nodes to probe raylets: %s", exc)
+        return set()
+    where = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in nodes
+             if n["NodeID"] in node_ids and n.get("NodeManagerPort")}
+    if not where:
+        return set()
+    with ThreadPoolExecutor(max_workers=min(16, len(where))) as pool:
+        refused = list(pool.map(lambda a: _refused(*a), where.values()))
+    return {node for node, down in zip(where, refused) if down}
 
 
 class NodeProbes:
@@ -57,6 +88,11 @@ class NodeProbes:
             self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
             for actor in (agents or {}).get(node, []):
                 self.pings[actor.ping.remote()] = node
+        down = raylets_down(node_ids)
+        if down:
+            logger.warning("raylet of node(s) %s refuses connections: lost",
+                           ", ".join(n[:8] for n in down))
+        self.refused |= down
         if node_ids:
             logger.info("probing %d node(s) at once: %s", len(node_ids),
                         ", ".join(n[:8] for n in node_ids))

@@ -198,13 +198,16 @@ def _blocks(snap: JobSnapshot) -> list[tuple[int, list["RankHealth"]]]:
 class NodeLossPolicy:
     """RECOVERING: which node blocks are gone. A block is lost when the failure named it
     (eviction), when it was reported lost (inbox), when every rank of it has been silent for a
-    whole heartbeat timeout, or when every rank of it failed and its node did not answer a
-    probe within the state's deadline. All suspect nodes are probed at once, never in turn."""
+    whole heartbeat timeout, when its node's probe was refused (its raylet is down), or when
+    every rank of it failed and its node did not answer a probe within the state's deadline.
+    Every block with a failed rank is probed, all at once, never in turn: a crashed node's
+    second rank may not have been seen failing yet when the first one was."""
 
     def suspects(self, snap: JobSnapshot) -> tuple[str, ...]:
         failed, out = set(snap.failed_ranks), []
         for k, block in _blocks(snap):
-            if block and all(r.rank in failed for r in block) and not self._certain(snap, k, block):
+            if block and any(r.rank in failed or r.dead for r in block) \
+                    and not self._certain(snap, k, block):
                 out.append(block[0].node_id)
         return tuple(dict.fromkeys(out))
 
@@ -217,11 +220,13 @@ class NodeLossPolicy:
         pending = set(snap.probed) - set(snap.answered) - set(snap.refused)
         if pending and snap.state_age_s <= snap.state_deadline_s:
             return Decision(Action.CONTINUE, f"waiting for {len(pending)} node probe(s)")
-        lost = dict(snap.known_lost)
+        lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
         for k, block in _blocks(snap):
             node = block[0].node_id if block else ""
+            whole = bool(block) and all(r.rank in failed or r.dead for r in block)
             if block and node not in lost and (self._certain(snap, k, block) or
-                                               node in pending or node in snap.refused):
+                                               node in snap.refused or
+                                               (whole and node in pending)):
                 lost[node] = len(block)
         gone = "; ".join(f"node {n[:8]} lost ({s} slot(s))" for n, s in lost.items())
         reason = f"restart {snap.restarts + 1}/{snap.limits.max_restarts} after: {snap.failure_reason}"

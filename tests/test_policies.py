@@ -183,6 +183,16 @@ def test_node_loss_probes_every_suspect_at_once_and_waits_only_until_the_deadlin
     assert (refused.action, refused.lost_nodes) == (Action.REPLAN, (("n1", 2),))
 
 
+def test_a_block_with_one_failed_rank_is_probed_but_lost_only_on_proof():
+    ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3)]  # rank 3 not seen failing yet
+    s = _recovering(ranks, (2,))
+    assert NodeLossPolicy().suspects(s) == ("n1",)
+    late = decide(_recovering(ranks, (2,), probed=("n1",), state_age_s=5.5))
+    assert late.lost_nodes == ()  # rank 3 may be fine: silence alone does not take the node
+    refused = decide(_recovering(ranks, (2,), probed=("n1",), refused=("n1",)))
+    assert refused.lost_nodes == (("n1", 2),)  # its raylet refused: the node is gone
+
+
 def test_node_loss_without_a_probe_when_the_facts_are_certain():
     silent = [rank(0), rank(1), rank(2, heartbeat_age_s=6.0), rank(3, heartbeat_age_s=6.0)]
     assert NodeLossPolicy().suspects(_recovering(silent, (2, 3))) == ()

@@ -105,3 +105,26 @@ def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
     for key, tensor in storage["state"].items():
         assert torch.equal(memory["state"][key], tensor), key
         assert torch.equal(tensor, at_save[key]), key  # the later steps did not leak in
+
+
+def test_snapshots_wait_for_the_replica_so_every_node_keeps_its_step(tmp_path):
+    """With a peer, a new snapshot is taken only once the agent sent the last one: the step a
+    replica holds is then still in every rank's double buffer (complete across nodes)."""
+    from checkpoint.snapshot import MemorySnapshotter
+    from tests.ckpt_jobs import DictState, ckpt_spec
+
+    state, store = DictState(), SnapshotDir(str(tmp_path))
+    snaps = MemorySnapshotter(ckpt_spec(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
+                              3, lambda ok: ok, replicated=True)
+    taken = []
+    for step in range(1, 7):
+        state.train()
+        snaps.snapshot(step)
+        snaps.wait()
+        taken.append(store.newest_step(3, 0))
+        if step in (2, 4):  # the agent's replica of the newest step arrived at the peer
+            store.mark_sent(3, 0, store.newest_step(3, 0))
+    assert taken == [1, 1, 3, 3, 5, 5] and snaps.skipped == 3
+    assert {s.step for s in store.complete()} == {3, 5}  # the sent step 3 is still held
+    stamp, files = store.read(3, 0, 5)
+    assert stamp.commit["lr_step"] == 5 and stamp.nbytes == sum(len(d) for d in files.values())

@@ -167,6 +167,7 @@ class MemoryOptions:
     generation: int = 0  # the controller's placement counter: pieces of one generation combine
     restore_uri: str | None = None  # an assembled snapshot to resume from instead of storage
     on_snapshot: Callable[[dict[str, Any]], None] | None = None  # told when one is complete
+    replicated: bool = False  # the agent sends each snapshot to a peer node: pace to it
 
 
 def _snapshotter(spec: Any, mgr: Any, rank: int, world: int,
@@ -177,7 +178,8 @@ def _snapshotter(spec: Any, mgr: Any, rank: int, world: int,
     from checkpoint.snapshot import MemorySnapshotter
 
     return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
-                             memory.generation, all_ranks_agree, memory.on_snapshot)
+                             memory.generation, all_ranks_agree, memory.on_snapshot,
+                             memory.replicated)
 
 
 def _resume(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:

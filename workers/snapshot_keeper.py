@@ -36,16 +36,16 @@ def _safe(name: str) -> str:
 class SnapshotKeeper:
     def __init__(self) -> None:
         self.slot = uuid.uuid4().hex[:12]
-        self.job_id, self.rank, self.peer = "", -1, None
+        self.job_id, self.rank, self.peer, self.generation = "", -1, None, -1
         self._lock = threading.Lock()
         self._wanted: tuple[int, int, int] | None = None
         self._busy = False
         self.replicated, self.replica_errors = 0, 0
 
-    def configure(self, job_id: str, rank: int, peer: Any) -> None:
-        """A new training process: its job, rank, and the agent that holds its replica."""
+    def configure(self, job_id: str, rank: int, peer: Any, generation: int) -> None:
+        """A new training process: its job, rank, generation, and who holds its replica."""
         with self._lock:
-            self.job_id, self.rank, self.peer = job_id, rank, peer
+            self.job_id, self.rank, self.peer, self.generation = job_id, rank, peer, generation
         if job_id:
             os.makedirs(self.local_dir, exist_ok=True)
 
@@ -96,6 +96,10 @@ class SnapshotKeeper:
                 self.replica_errors += 1
                 logger.warning("replica of rank %d step %d not sent: %s", wanted[1], wanted[2],
                                f"{type(exc).__name__}: {str(exc)[:200]}")
+            try:  # sent or given up: either way the rank may take its next snapshot
+                self._dir("local").mark_sent(*wanted)
+            except OSError as exc:
+                logger.warning("cannot record the replica of step %d: %s", wanted[2], exc)
 
     def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
         stamp = SnapshotStamp.from_json(stamp_json)

@@ -67,7 +67,8 @@ class RankStatus:
     attempt: int = 0
 
 
-def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None) -> None:
+def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
+                replicated: bool) -> None:
     """Entry point of the training process (runs in a forkserver child).
 
     `control` carries requests from the actor: "stop" = commit a checkpoint at the next step
@@ -98,7 +99,8 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None)
             injector.before_step(record["step"] + 1)
 
     memory = MemoryOptions(snapshot_dir, run.generation, run.restore_uri,
-                           lambda event: send(("record", {**event, "rank": run.rank})))
+                           lambda event: send(("record", {**event, "rank": run.rank})),
+                           replicated)
 
     def should_stop() -> bool:
         return bool(control.poll())
@@ -168,14 +170,14 @@ class RankWorker:
         number, which tags every later heartbeat so stale answers can be told apart."""
         self.stop()
         self._ledger, self._attempt = run.ledger, self._attempt + 1
-        self.snapshots.configure(run.job_id, run.rank, run.peer)
+        self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation)
         parent, child = self._ctx.Pipe()
         control_read, self._control = self._ctx.Pipe(duplex=False)
         # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
         # asks us to claim chaos events over the pipe instead.
         proc = self._ctx.Process(target=_child_main,
                                  args=(replace(run, ledger=None, peer=None), child, control_read,
-                                       self.snapshots.local_dir),
+                                       self.snapshots.local_dir, run.peer is not None),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
         child.close()
