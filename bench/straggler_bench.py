@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 from typing import Any
@@ -31,7 +32,7 @@ from bench.common import Report, parse_args, write_json
 logger = logging.getLogger(__name__)
 
 FACTORS = (1.1, 1.2, 1.25, 1.5)
-THRESHOLDS = (0.8, 0.85, 0.875, 0.9)
+THRESHOLDS = (0.8, 0.85, 0.875, 0.9, 0.925)
 WORLD, SLOW_RANK = 4, 3
 HEARTBEAT_S = 0.5
 PHASES = (0.0, 0.25, 0.5, 0.75)  # window phase offsets, in heartbeat intervals
@@ -152,12 +153,17 @@ def main() -> None:
     if args.replay:  # re-score traces recorded earlier (no training)
         with open(args.replay) as f:
             saved = json.load(f)
-        segment, traces = saved["segment"], saved["traces"]
+        segment, traces, loads = saved["segment"], saved["traces"], saved.get("loads", [])
     else:
+        loads = [os.getloadavg()[0]]  # the host is shared: the load is part of every figure
         with tempfile.TemporaryDirectory(prefix="tenax-straggler-") as root:
-            traces = [record_trace(segment, f"{root}/{i}") for i in range(runs)]
+            traces = []
+            for i in range(runs):
+                traces.append(record_trace(segment, f"{root}/{i}"))
+                loads.append(os.getloadavg()[0])
+        logger.info("1-minute load average before and after each run: %s", loads)
     if args.traces:
-        write_json(args.traces, {"segment": segment, "traces": traces})
+        write_json(args.traces, {"segment": segment, "traces": traces, "loads": loads})
     results = table(traces, segment)
     rep = Report("Straggler detection: 4 ranks on this machine, rank 3 slowed")
     for (threshold, factor), r in results.items():
@@ -165,7 +171,7 @@ def main() -> None:
         rep.add(f"t={threshold} {factor}x: detected within 3 windows", r["detected"], goal,
                 f"median {r['median_windows']} windows; false flags in "
                 f"{r['false_flag_trials']}/{r['trials']} trials")
-    rep.context = {"runs": len(traces), "segment_steps": segment, "phases": PHASES,
+    rep.context = {"runs": len(traces), "segment_steps": segment, "phases": PHASES, "loads": loads,
                    "results": {f"{t}/{f}": r for (t, f), r in results.items()}}
     rep.finish(args.json_path)
 

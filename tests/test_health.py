@@ -8,6 +8,7 @@ tests are deterministic, and many seeds/windows are run so a lucky draw cannot h
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -17,54 +18,85 @@ from typing import Callable
 
 import pytest
 
-from orchestrator.health import (NOISE_FLOOR, StragglerPolicy, StragglerTracker, high_median,
-                                 window_scores)
+from orchestrator.health import (NOISE_FLOOR, STEP_CLIP, StragglerPolicy, StragglerTracker,
+                                 step_scores, window_score)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_BOUND_S = 900  # only so a broken job cannot hang the suite; not a speed goal
 
 
 # ---- pure pieces ---------------------------------------------------------------------------
-def test_high_median_and_scores() -> None:
-    assert high_median([3.0, 1.0, 2.0]) == 2.0
-    assert high_median([1.0, 2.0]) == 2.0  # even count: the larger middle value
-    scores = window_scores({0: 100.0, 1: 50.0})
-    assert scores == {0: 1.0, 1: 0.5}  # the healthy rank is the reference, not the mean
-    assert window_scores({0: 100.0}) == {0: 1.0}
-    assert window_scores({0: 0.0, 1: 10.0, 2: 10.0}) == {1: 1.0, 2: 1.0}
+def test_step_scores_compare_each_rank_with_the_others() -> None:
+    scores = step_scores({0: 100.0, 1: 80.0})
+    assert scores[1] == pytest.approx(math.log(0.8)) and scores[0] == pytest.approx(-scores[1])
+    # leave-one-out: the slow rank does not lower its own reference
+    three = step_scores({0: 100.0, 1: 100.0, 2: 80.0})
+    assert three[2] == pytest.approx(math.log(0.8))
+    assert three[0] == pytest.approx(0.5 * math.log(1.25))
+    # the median of the others: one briefly fast rank does not make the others look slow
+    assert step_scores({0: 100.0, 1: 100.0, 2: 100.0, 3: 200.0}) == pytest.approx(
+        {0: 0.0, 1: 0.0, 2: 0.0, 3: math.log(2.0)})
+    assert step_scores({0: 100.0}) == {0: 0.0}
+    assert step_scores({0: 0.0, 1: 10.0, 2: 10.0}) == {1: 0.0, 2: 0.0}
 
 
-def test_policy_tests_the_median_of_recent_windows_not_each_window() -> None:
+def test_window_score_winsorises_outlier_steps_around_the_median() -> None:
+    assert window_score([math.log(0.5)] * 5) == pytest.approx(0.5)  # a slow rank keeps its score
+    # a descheduled step (a tenth of the speed) counts as STEP_CLIP below the median, no lower
+    steps = [0.0] * 9 + [math.log(0.1)]
+    assert window_score(steps) == pytest.approx(math.exp(-STEP_CLIP / 10))
+    assert window_score([0.1, -0.1, 0.2, -0.2]) == pytest.approx(1.0)
+
+
+def win(scores: dict[int, float], steps: int = 10) -> dict[int, list[float]]:
+    """A window in which every step of rank r scored scores[r]."""
+    return {rank: [math.log(score)] * steps for rank, score in scores.items()}
+
+
+def history(*windows: dict[int, float], lead: int = 2) -> list[dict[int, list[float]]]:
+    """`lead` healthy windows first, then `windows`."""
+    return [win({r: 1.0 for r in windows[0]})] * lead + [win(w) for w in windows]
+
+
+def test_policy_tests_the_mean_of_recent_windows_not_each_window() -> None:
     policy = StragglerPolicy(threshold=0.8, action="alert")
     low, ok = {0: 1.0, 1: 0.7}, {0: 1.0, 1: 0.95}
-    assert policy.make_decision([low, low]).action == "none"  # fewer than 3 windows
-    assert policy.make_decision([ok, ok, low]).action == "none"  # one low window is noise
-    # one noisy window no longer breaks a detection: median(0.7, 0.95, 0.7) = 0.7 < 0.8
-    noisy = policy.make_decision([low, ok, low])
+    assert policy.make_decision([win(low)]).action == "none"  # one window alone never decides
+    assert policy.make_decision([win(low)] * 2).action == "alert"
+    assert policy.make_decision(history(ok, ok, low)).action == "none"  # one low window is noise
+    assert policy.make_decision(history(ok, low, lead=4)).action == "none"  # mean 0.815
+    # one noisy window does not break a detection: the mean of 3 windows is 0.77 < 0.8
+    noisy = policy.make_decision(history(low, ok, low))
     assert noisy.action == "alert" and noisy.stragglers == ((1, 0.7),)
-    decision = policy.make_decision([ok, low, low, low])
+    # a slowdown is flagged after two windows: the 3-window mean (0.815) would still wait
+    decision = policy.make_decision(history(ok, low, low))
     assert decision.action == "alert" and decision.stragglers == ((1, 0.7),)
     assert "rank 1" in decision.reason
-    assert policy.make_decision([low, low, {0: 1.0}]).action == "none"  # rank 1 not measured
+    assert policy.make_decision(history(low, low, {0: 1.0})).action == "none"  # rank 1 unmeasured
 
 
 def test_policy_does_not_flag_within_the_noise_of_the_healthy_ranks() -> None:
     """0.87 is below a 0.9 threshold. With quiet healthy ranks it is a straggler; where healthy
-    ranks wander by ±0.1 a window (σ = 1.4826 × MAD = 0.148), 3 windows cannot tell it from
-    noise (bound 1 - 3.09·1.2533·σ/√3 = 0.67): no flag."""
+    ranks wander by ±0.1 a window (σ = 1.4826 × MAD of the log scores = 0.149), 2-3 windows
+    cannot tell it from noise (bounds e^(-3.29·σ/√2) = 0.71, e^(-3.29·σ/√3) = 0.75): no flag."""
     policy = StragglerPolicy(threshold=0.9)
-    quiet = [{0: 1.0, 1: 1.01, 2: 0.99, 3: 0.87} for _ in range(6)]
+    quiet = [win({0: 1.0, 1: 1.01, 2: 0.99, 3: 0.87}) for _ in range(6)]
     assert policy.make_decision(quiet).stragglers == ((3, 0.87),)
     noisy = [{0: 1.1 if i % 2 else 0.9, 1: 0.9 if i % 2 else 1.1, 2: 1.0, 3: 0.87} for i in range(6)]
-    assert policy.noise(noisy, 3) == pytest.approx(0.148, abs=0.001)
-    assert policy.make_decision(noisy).action == "none"
-    assert policy.noise([{0: 1.0, 1: 0.5}] * 4, 1) == NOISE_FLOOR  # the reference never moves
+    assert policy.noise([win(w) for w in noisy], 3) == pytest.approx(0.149, abs=0.001)
+    assert policy.make_decision([win(w) for w in noisy]).action == "none"
+    slower = [win({**w, 3: 0.7}) for w in noisy]
+    assert policy.make_decision(slower).stragglers == ((3, 0.7),)
+    assert policy.noise([win({0: 1.0, 1: 0.5})] * 4, 1) == NOISE_FLOOR  # reference never moves
+    # steps that scatter ±0.2 within identical windows: σ = 1.4826 · 0.2 / √10, from window 2 on
+    scatter = {0: [0.2, -0.2] * 5, 1: [0.0] * 10}
+    assert policy.noise([scatter] * 2, 1) == pytest.approx(1.4826 * 0.2 / math.sqrt(10))
 
 
 @pytest.mark.parametrize("action", ["ignore", "alert", "evict"])
 def test_policy_action_is_configurable(action: str) -> None:
     low = {0: 1.0, 1: 0.5, 2: 1.0}
-    assert StragglerPolicy(0.8, action).make_decision([low] * 3).action == action
+    assert StragglerPolicy(0.8, action).make_decision(history(low, low)).action == action
 
 
 def test_policy_rejects_bad_configuration() -> None:
@@ -72,6 +104,8 @@ def test_policy_rejects_bad_configuration() -> None:
         StragglerPolicy(0.8, "kill")
     with pytest.raises(ValueError):
         StragglerPolicy(1.2, "alert")
+    with pytest.raises(ValueError):
+        StragglerPolicy(0.8, "alert", windows=1)  # one window alone must never decide
 
 
 # ---- tracker on synthetic series -------------------------------------------------------------
@@ -124,6 +158,47 @@ def test_slowdown_of_125x_is_flagged_within_three_windows(world: int) -> None:
         assert set(flagged) == {slow_rank}, f"seed {seed}: {flagged}"
         assert flagged[slow_rank] <= 10 + 3, f"seed {seed}: flagged after window {flagged[slow_rank]}"
         assert tracker.scores[slow_rank] == pytest.approx(0.8, abs=0.06)
+
+
+def loaded_host(seed: int, base: Callable[[int, int], float]) -> Callable[[int, int], float]:
+    """What bench/straggler_bench.py recorded on 4 ranks sharing 2 cores: a step's busy-time
+    throughput scatters by σ ≈ 0.17 in log per rank (0.2 for a score against the others), and
+    3% of steps are descheduled to a third of the speed."""
+    rng = random.Random(seed)
+    return lambda r, s: (base(r, s) * math.exp(rng.gauss(0.0, 0.17))
+                         * (0.33 if rng.random() < 0.03 else 1.0))
+
+
+def test_12x_slowdown_in_loaded_host_noise_is_flagged_within_three_windows() -> None:
+    """The goal at the default threshold 0.9, on synthetic noise as heavy as the host's: windows
+    of 20 steps, the slowdown starting inside window 6 (step 106 of 101-120) must be flagged by
+    the close of window 8 in >= 95% of seeds. (The previous rule, a median of 3 window medians,
+    caught 35-75% of such runs on the real host: bench/straggler_bench.py.)"""
+    hits = 0
+    for seed in range(40):
+        base = lambda r, s: 1000.0 / (1.2 if r == 3 and s > 105 else 1.0)  # noqa: E731
+        _, flagged = simulate(4, loaded_host(seed, base), 16, 0.9, steps_per_poll=10)
+        hits += flagged.get(3, 99) <= 8
+    assert hits >= 38, f"1.2x flagged within 3 windows in {hits} of 40 seeds"
+
+
+@pytest.mark.parametrize("threshold", [0.9, 0.99])  # default; the noise bound alone
+def test_loaded_host_noise_is_flagged_at_most_at_the_documented_rate(threshold: float) -> None:
+    """Healthy ranks in that noise: about 2e-3 flags per rank and window (module doc: 1e-3
+    nominal, about twice that with σ estimated; measured 5-6 in 2980; z = 3.09 gives 12)."""
+    clock, flags, rank_windows = [0.0], 0, 0
+    for seed in range(5):
+        rate = loaded_host(seed, lambda r, s: 1000.0)
+        tracker = StragglerTracker(threshold, "alert", 1.0, clock=lambda: clock[0])
+        for poll in range(300):
+            clock[0] += 1.0
+            records = [{"event": "step", "rank": r, "step": poll * 10 + i,
+                        "rank_tokens_per_s": rate(r, poll * 10 + i)}
+                       for i in range(1, 11) for r in range(4)]
+            flags += len(tracker.observe(records, 4))
+        rank_windows += 4 * tracker.windows_closed
+    assert rank_windows >= 2800
+    assert flags <= 2.5e-3 * rank_windows, f"{flags} flags in {rank_windows} rank-windows"
 
 
 def descheduled(seed: int, base: Callable[[int, int], float]) -> Callable[[int, int], float]:

@@ -218,7 +218,7 @@ class FaultToleranceSpec(_Strict):
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     hang_timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(10, ge=0)
-    straggler_threshold: float = Field(0.85, gt=0, lt=1)  # bench/straggler_bench.py
+    straggler_threshold: float = Field(0.9, gt=0, lt=1)  # bench/straggler_bench.py, README
     straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/health.py
 
     @model_validator(mode="after")
