@@ -97,8 +97,8 @@ class MemoryRecovery:
             return {}
         d, t0 = prepared.decision, time.monotonic()
         first = {h.node_id: h for h in reversed(ranks)}
-        refs = {node: h.actor.assemble_restore.remote(f"{node[:12]}-g{d.generation}-s{d.step}",
-                                                      *prepared.reads)
+        refs = {node: h.actor.assemble_restore.remote(
+                    self.job_id, f"{node[:12]}-g{d.generation}-s{d.step}", *prepared.reads)
                 for node, h in first.items()}
         try:
             uris = dict(zip(refs, ray.get(list(refs.values()), timeout=self.timeout_s)))

@@ -198,10 +198,10 @@ class WorkerGroup:
         return out
 
     def drop_snapshots(self, timeout_s: float) -> None:
-        """The job ended: one live agent per node removes the job's snapshots there."""
-        per_node = {h.node_id: h.actor for b in self.blocks for h in b["slots"]
-                    if h.dead is None and not b["lost"]}
-        refs = [actor.drop_snapshots.remote() for actor in per_node.values()]
+        """The job ended: every live agent stops accepting replicas and removes the job's
+        snapshots on its node (all of them, so a late replica cannot recreate any)."""
+        refs = [h.actor.drop_snapshots.remote() for b in self.blocks for h in b["slots"]
+                if h.dead is None and not b["lost"]]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 

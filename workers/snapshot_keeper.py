@@ -98,14 +98,15 @@ class SnapshotKeeper:
                                f"{type(exc).__name__}: {str(exc)[:200]}")
             try:  # sent or given up: either way the rank may take its next snapshot
                 self._dir("local").mark_sent(*wanted)
-            except OSError as exc:
+            except (OSError, SnapshotError) as exc:
                 logger.warning("cannot record the replica of step %d: %s", wanted[2], exc)
 
     def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
         stamp = SnapshotStamp.from_json(stamp_json)
-        if not self.job_id:
-            raise SnapshotError("this agent has no job yet; cannot hold a replica")
-        self._dir("replica").write(stamp, files)
+        with self._lock:  # never after drop_job: the job's directory must stay gone
+            if not self.job_id:
+                raise SnapshotError("this agent holds no job (not started, or ended)")
+            self._dir("replica").write(stamp, files)
         return stamp.step
 
     # ---- what the controller asks ----------------------------------------------------------
@@ -124,12 +125,18 @@ class SnapshotKeeper:
         stamp, files = self._dir(kind).read(generation, rank, step)
         return stamp.to_json(), files
 
-    def assemble(self, key: str, pieces: list[tuple[str, dict[str, bytes]]]) -> str:
-        """Write the pieces as one committed version under this node's restore dir; its URI."""
+    def assemble(self, job_id: str, key: str, pieces: list[tuple[str, dict[str, bytes]]]) -> str:
+        """Write the pieces as one committed version under this node's restore dir; its URI.
+        (`job_id` given: a newly placed agent has not been told its job yet.)"""
         parsed = [(SnapshotStamp.from_json(stamp), files) for stamp, files in pieces]
-        return assemble_version(os.path.join(self.job_root, "restore", _safe(key)), parsed)
+        root = os.path.join(snapshot_root(), _safe(job_id), "restore", _safe(key))
+        return assemble_version(root, parsed)
 
     def drop_job(self) -> None:
-        """The job ended: remove everything it kept on this node (every slot's directory)."""
-        if self.job_id:
-            shutil.rmtree(self.job_root, ignore_errors=True)
+        """The job ended: remove everything it kept on this node (every slot's directory) and
+        refuse replicas from now on (a peer's late send must not recreate it)."""
+        with self._lock:
+            job, root = self.job_id, self.job_root
+            self.job_id, self.peer, self._wanted = "", None, None
+        if job:
+            shutil.rmtree(root, ignore_errors=True)

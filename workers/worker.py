@@ -256,10 +256,12 @@ class RankWorker:
     def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
         return self.snapshots.hold_replica(stamp_json, files)
 
-    def assemble_restore(self, key: str, *pieces: tuple[str, dict[str, bytes]]) -> str:
-        return self.snapshots.assemble(key, list(pieces))
+    def assemble_restore(self, job_id: str, key: str, *pieces: tuple[str, dict[str, bytes]]) -> str:
+        return self.snapshots.assemble(job_id, key, list(pieces))
 
     def drop_snapshots(self) -> None:
+        """The job ended: stop the training process (it must not write again), then drop."""
+        self.stop()
         self.snapshots.drop_job()
 
     def request_stop(self) -> None:
