@@ -1,0 +1,60 @@
+"""A frozen node (every process SIGSTOPped: a hung host, no socket closes) on a real multi-node
+Ray: it is found lost by silence, and its ranks resume from the replicas its peer held."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.ray_helpers import JobRun, assert_same_losses, make_spec, run_job
+from tests.test_controller_cluster import TWO_NODES, start_cluster
+
+pytestmark = pytest.mark.timeout(900)
+
+# A short heartbeat timeout keeps the test quick; hang_timeout_s stays above it (policy rule).
+FAST = TWO_NODES + ["fault_tolerance.heartbeat_timeout_s=3", "fault_tolerance.hang_timeout_s=30"]
+
+
+@pytest.fixture
+def cluster():
+    import ray
+
+    cluster, nodes = start_cluster(2)
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_processes(node):
+    """The node's raylet and everything under it: agents, forkservers, training processes."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    return [raylet] + raylet.children(recursive=True)
+
+
+def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster, tmp_path):
+    import psutil
+
+    _, nodes = cluster
+    clean = run_job(make_spec(tmp_path, FAST, "clean"))
+    job = JobRun(make_spec(tmp_path, FAST, "freeze")).start()
+    job.wait_for(lambda: job.controller.step >= 10, 300, "step 10")
+    victim = next(n for n in nodes if n.node_id == job.controller.group.ranks[2].node_id)
+    procs = node_processes(victim)
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        job.finish(300)
+    finally:
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    failure, recovered = job.of("failure")[0], job.of("recovered")[0]
+    assert "missed heartbeats" in failure["cause"], failure
+    assert recovered["world_size"] == 2 and recovered["source"] == "replica"
+    assert recovered["lost_steps"] <= 1 and job.controller.restarts == 1
+    assert_same_losses(job.losses(), clean.losses())
