@@ -56,13 +56,14 @@ def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
     except Exception as exc:  # the GCS is unreachable: no proof either way
         logger.warning("cannot list Ray nodes to probe raylets: %s", exc)
         return set()
+    gone = {n["NodeID"] for n in nodes if n["NodeID"] in node_ids and not n.get("Alive")}
     where = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in nodes
-             if n["NodeID"] in node_ids and n.get("NodeManagerPort")}
+             if n["NodeID"] in node_ids and n.get("NodeManagerPort") and n["NodeID"] not in gone}
     if not where:
-        return set()
+        return gone
     with ThreadPoolExecutor(max_workers=min(16, len(where))) as pool:
         refused = list(pool.map(lambda a: _refused(*a), where.values()))
-    return {node for node, down in zip(where, refused) if down}
+    return gone | {node for node, down in zip(where, refused) if down}
 
 
 class NodeProbes:

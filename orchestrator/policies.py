@@ -200,15 +200,13 @@ class NodeLossPolicy:
     (eviction), when it was reported lost (inbox), when every rank of it has been silent for a
     whole heartbeat timeout, when its node's probe was refused (its raylet is down), or when
     every rank of it failed and its node did not answer a probe within the state's deadline.
-    Every block with a failed rank is probed, all at once, never in turn: a crashed node's
-    second rank may not have been seen failing yet when the first one was."""
+    Every node of the group is probed, all at once, never in turn: when a node crashes, the
+    first failures seen are often the survivors' collective errors, while the crashed node's
+    own ranks have not been seen failing yet (a live node's agents answer in milliseconds)."""
 
     def suspects(self, snap: JobSnapshot) -> tuple[str, ...]:
-        failed, out = set(snap.failed_ranks), []
-        for k, block in _blocks(snap):
-            if block and any(r.rank in failed or r.dead for r in block) \
-                    and not self._certain(snap, k, block):
-                out.append(block[0].node_id)
+        out = [block[0].node_id for k, block in _blocks(snap)
+               if block and not self._certain(snap, k, block)]
         return tuple(dict.fromkeys(out))
 
     def _certain(self, snap: JobSnapshot, k: int, block: list["RankHealth"]) -> bool:

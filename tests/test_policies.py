@@ -171,7 +171,7 @@ def _recovering(ranks, failed, **kw) -> JobSnapshot:
 def test_node_loss_probes_every_suspect_at_once_and_waits_only_until_the_deadline():
     ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3, dead="x")]
     s = _recovering(ranks, (2, 3))
-    assert NodeLossPolicy().suspects(s) == ("n1",)  # block 0 did not fail entirely
+    assert NodeLossPolicy().suspects(s) == ("n0", "n1")  # every node of the group, at once
     waiting = _recovering(ranks, (2, 3), probed=("n1",), state_age_s=1.0)
     assert decide(waiting).action == Action.CONTINUE
     answered = decide(_recovering(ranks, (2, 3), probed=("n1",), answered=("n1",)))
@@ -183,10 +183,12 @@ def test_node_loss_probes_every_suspect_at_once_and_waits_only_until_the_deadlin
     assert (refused.action, refused.lost_nodes) == (Action.REPLAN, (("n1", 2),))
 
 
-def test_a_block_with_one_failed_rank_is_probed_but_lost_only_on_proof():
+def test_a_block_not_seen_failing_is_probed_but_lost_only_on_proof():
     ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3)]  # rank 3 not seen failing yet
     s = _recovering(ranks, (2,))
-    assert NodeLossPolicy().suspects(s) == ("n1",)
+    assert NodeLossPolicy().suspects(s) == ("n0", "n1")
+    crashed = _recovering([rank(0), rank(1), rank(2), rank(3)], (0, 1))  # survivors' errors first
+    assert "n1" in NodeLossPolicy().suspects(crashed)
     late = decide(_recovering(ranks, (2,), probed=("n1",), state_age_s=5.5))
     assert late.lost_nodes == ()  # rank 3 may be fine: silence alone does not take the node
     refused = decide(_recovering(ranks, (2,), probed=("n1",), refused=("n1",)))
@@ -195,11 +197,11 @@ def test_a_block_with_one_failed_rank_is_probed_but_lost_only_on_proof():
 
 def test_node_loss_without_a_probe_when_the_facts_are_certain():
     silent = [rank(0), rank(1), rank(2, heartbeat_age_s=6.0), rank(3, heartbeat_age_s=6.0)]
-    assert NodeLossPolicy().suspects(_recovering(silent, (2, 3))) == ()
+    assert NodeLossPolicy().suspects(_recovering(silent, (2, 3))) == ("n0",)  # n1 is certain
     assert decide(_recovering(silent, (2, 3))).lost_nodes == (("n1", 2),)
     ranks = [rank(0), rank(1), rank(2, dead="x"), rank(3, dead="x")]
     reported = _recovering(ranks, (2, 3), reported_lost=(1,))
-    assert NodeLossPolicy().suspects(reported) == ()
+    assert NodeLossPolicy().suspects(reported) == ("n0",)
     assert decide(reported).lost_nodes == (("n1", 2),)
     evicted = _recovering(ranks, (3, 2), known_lost=(("n1", 2),))
     assert decide(evicted).lost_nodes == (("n1", 2),)
