@@ -7,22 +7,12 @@ import signal
 import pytest
 
 from tests.ray_helpers import JobRun, assert_same_losses, make_spec, run_job
-from tests.test_controller_cluster import TWO_NODES, start_cluster
+from tests.test_controller_cluster import TWO_NODES, cluster2  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(900)
 
 # A short heartbeat timeout keeps the test quick; hang_timeout_s stays above it (policy rule).
 FAST = TWO_NODES + ["fault_tolerance.heartbeat_timeout_s=3", "fault_tolerance.hang_timeout_s=30"]
-
-
-@pytest.fixture
-def cluster():
-    import ray
-
-    cluster, nodes = start_cluster(2)
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def node_processes(node):
@@ -33,10 +23,10 @@ def node_processes(node):
     return [raylet] + raylet.children(recursive=True)
 
 
-def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster, tmp_path):
+def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster2, tmp_path):
     import psutil
 
-    _, nodes = cluster
+    _, nodes = cluster2
     clean = run_job(make_spec(tmp_path, FAST, "clean"))
     job = JobRun(make_spec(tmp_path, FAST, "freeze")).start()
     job.wait_for(lambda: job.controller.step >= 10, 300, "step 10")
