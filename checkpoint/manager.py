@@ -74,10 +74,9 @@ from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMis
                                StateProviderError)
 from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
 from checkpoint.planning import PlanCache, all_ranks_agree, dist_on, plan_save
-from checkpoint.metadata_codec import FORMAT
 from checkpoint.shards import byte_view
 from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
-                              describe_error)
+                              describe_error, manifest_fields)
 from checkpoint.storage import Storage, StorageError
 from checkpoint.fork_writer import start_fork
 from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for, run_inline,
@@ -244,13 +243,10 @@ class CheckpointManager:
         return job, planned.tensors
 
     def _commit_info(self) -> CommitInfo:
-        d, ck = self.state.describe(), self.spec.checkpoint
-        return CommitInfo(layout=d["layout"], model_hash=self.model_hash,
-                          data_cursor=d["data_cursor"], seed=d["seed"], lr_step=self.state.step,
+        ck = self.spec.checkpoint
+        return CommitInfo(**manifest_fields(self.state, self.spec.name, self.model_hash),
                           keep_last=ck.keep_last, keep_every=ck.keep_every,
-                          protect=tuple(sorted(self._protect)),
-                          extra={"format": FORMAT, "parallel": d.get("parallel", {}),
-                                 "job": self.spec.name})
+                          protect=tuple(sorted(self._protect)))
 
     def _launch(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
         """Start the write with the chosen writer, falling back to thread, then sync."""

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 
 from checkpoint.catalog import spec_hash
-from checkpoint.metadata_codec import FORMAT
 from checkpoint.planning import PlanCache, plan_save
 from checkpoint.shards import METADATA_NAME, byte_view
 from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
+from checkpoint.state import manifest_fields
 from checkpoint.writer import WRITE_CHUNK, WRITER_NICE, write_all
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class MemorySnapshotter:
         self.store, self.generation = SnapshotDir(root), generation
         self.agree, self.on_done, self.replicated = agree, on_done, replicated
         self.every = spec.checkpoint.memory_every_steps
+        self.model_hash = spec_hash(spec.model)
         self.skipped = 0
         self._cache: PlanCache | None = None
         self._thread: threading.Thread | None = None
@@ -72,7 +73,7 @@ class MemorySnapshotter:
             logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
             return
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
-        commit = self._commit_info(step)
+        commit = manifest_fields(self.state, self.spec.name, self.model_hash)
         partial = self.store.begin(self.generation, self.rank, step)
         done = threading.Event()
         thread = threading.Thread(target=self._copy, daemon=True, name=f"snapshot-{step}",
@@ -95,13 +96,6 @@ class MemorySnapshotter:
             return True
         sent = self.store.sent_step(self.generation, self.rank)
         return sent is not None and sent >= newest
-
-    def _commit_info(self, step: int) -> dict[str, Any]:
-        d = self.state.describe()
-        return {"layout": d["layout"], "model_hash": spec_hash(self.spec.model),
-                "data_cursor": d["data_cursor"], "seed": d["seed"], "lr_step": step,
-                "extra": {"format": FORMAT, "parallel": d.get("parallel", {}),
-                          "job": self.spec.name}}
 
     def _copy(self, step: int, partial: str, file: str | None,
               tensors: list[tuple[int, torch.Tensor]], metadata: bytes | None,

@@ -86,6 +86,16 @@ class TrainerState:
                 "seed": t.spec.train.seed}
 
 
+def manifest_fields(state: Any, job: str, model_hash: str) -> dict[str, Any]:
+    """What a manifest records of the state a save (or an in-memory snapshot) holds now."""
+    from checkpoint.metadata_codec import FORMAT
+
+    d = state.describe()
+    return {"layout": d["layout"], "model_hash": model_hash, "data_cursor": d["data_cursor"],
+            "seed": d["seed"], "lr_step": state.step,
+            "extra": {"format": FORMAT, "parallel": d.get("parallel", {}), "job": job}}
+
+
 def as_state_provider(obj: Any) -> StateProvider:
     if hasattr(obj, "pm") and hasattr(obj, "optimizer") and hasattr(obj, "loader"):
         return TrainerState(obj)
