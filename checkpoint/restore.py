@@ -20,7 +20,7 @@ from checkpoint.storage import Storage
 logger = logging.getLogger(__name__)
 
 
-def assemble_version(root: str, pieces: list[tuple[SnapshotStamp, dict[str, bytes]]],
+def assemble_version(root: str, pieces: list[tuple[SnapshotStamp, dict[str, Any]]],
                      timeout_s: float = 60.0) -> str:
     """Write every rank's files of one step under `root` and commit it; returns its URI.
 
@@ -59,7 +59,7 @@ def assemble_version(root: str, pieces: list[tuple[SnapshotStamp, dict[str, byte
     return uri
 
 
-def _commit_fields(pieces: list[tuple[SnapshotStamp, dict[str, bytes]]]) -> dict[str, Any]:
+def _commit_fields(pieces: list[tuple[SnapshotStamp, dict[str, Any]]]) -> dict[str, Any]:
     """Rank 0's manifest fields; every rank's must agree on the data cursor and model."""
     by_rank = {stamp.rank: stamp.commit for stamp, _ in pieces}
     ref = by_rank[0]

@@ -53,6 +53,7 @@ class MemorySnapshotter:
         self._thread: threading.Thread | None = None
         self._fence: Any = None
         self.failed = 0
+        self._newest: int | None = None  # the last step this process published
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -91,11 +92,10 @@ class MemorySnapshotter:
         only if the replica's step is still held locally by every other rank; taking a new
         snapshot only once the last one reached the peer keeps that true however slow the
         network is (a slow link then costs snapshot frequency, never consistency)."""
-        newest = self.store.newest_step(self.generation, self.rank)
-        if newest is None:
+        if self._newest is None:  # this process published nothing yet
             return True
         sent = self.store.sent_step(self.generation, self.rank)
-        return sent is not None and sent >= newest
+        return sent is not None and sent >= self._newest
 
     def _copy(self, step: int, partial: str, file: str | None,
               tensors: list[tuple[int, torch.Tensor]], metadata: bytes | None,
@@ -116,6 +116,7 @@ class MemorySnapshotter:
                 files[METADATA_NAME] = [len(metadata), crc32c_of([metadata])]
             stamp = SnapshotStamp(self.generation, self.rank, self.world, step, files, commit)
             self.store.publish(partial, stamp)
+            self._newest = step
         except Exception as exc:
             self.failed += 1
             logger.warning("rank %d: snapshot of step %d failed: %s", self.rank, step, exc)
@@ -149,7 +150,8 @@ class MemorySnapshotter:
 
 def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[int]:
     """Copy the tensors' bytes at their planned offsets; returns [bytes, crc32c]."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # No O_TRUNC: a reused buffer's file is rewritten over its own tmpfs pages (cut at the end)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     crc, written = 0, 0
     try:
         for offset, tensor in tensors:
@@ -160,6 +162,7 @@ def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[in
                 chunk = view[start:start + WRITE_CHUNK]
                 crc = crc32c_of([chunk], crc)
                 written += write_all(fd, chunk)
+        os.ftruncate(fd, written)
     finally:
         os.close(fd)
     return [written, crc]

@@ -2,7 +2,7 @@
 
 Issue 13 item 5: host memory is planned, not discovered. `plan_snapshot_memory` compares the
 per-node peak of the in-memory snapshots (parallel/host_memory.py: per rank 2 local buffers +
-1 peer replica, transiently 2 while a new replica arrives; 2 buffers on a single node) with
+1 peer replica, all rewritten in place; 2 buffers on a single node) with
 the smallest node's memory, as Ray reports it (the node's `memory` resource, in bytes).
 
 SAFE_FRACTION = 0.5: the snapshots may use at most half of a node's Ray `memory`. Why half:

@@ -206,8 +206,9 @@ class WorkerGroup:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def stop_training(self, timeout_s: float) -> None:
-        """Kill every slot's training process (not the actors): survivors stay warm."""
-        slots = [h for b in self.blocks for h in b["slots"] if h.dead is None]
+        """Kill every slot's training process (not the actors): survivors stay warm. A lost
+        node's agents are not asked (a frozen one would hold this call to its timeout)."""
+        slots = [h for b in self.blocks if not b["lost"] for h in b["slots"] if h.dead is None]
         refs = [h.actor.stop.remote() for h in slots]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for h, ref in zip(slots, refs):

@@ -1,6 +1,7 @@
 """Helpers for tests that run real jobs on real Ray (local or cluster_utils) on 127.0.0.1."""
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import time
@@ -86,3 +87,40 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], from_step:
         if step >= from_step:
             assert step in got, f"step {step} missing"
             assert abs(got[step] - loss) <= 1e-5 * abs(loss), f"step {step}: {got[step]} vs {loss}"
+
+
+_REFERENCES: dict[str, dict[int, float]] = {}
+
+
+def reference_losses(spec: Any, timeout_s: float = 300) -> dict[int, float]:
+    """Step -> loss of `spec`'s model, data and training settings run by one process.
+
+    Why a fault test may compare with this instead of a clean multi-rank run of its own: every
+    layout matches the single-process run (the parity tests hold each one to it at 1e-5), and
+    one process is several times cheaper than placing and running the clean job on Ray. Cached
+    per model/train/data settings, which many tests share."""
+    from parallel.layout import ParallelLayout
+    from workers.launch import launch
+
+    doc = spec.to_dict()
+    key = json.dumps({k: doc[k] for k in ("model", "train", "data")} |
+                     {"mbs": doc["parallel"]["micro_batch_size"]}, sort_keys=True)
+    if key not in _REFERENCES:
+        layout = ParallelLayout(dp=1, zero=0, micro_batch_size=doc["parallel"]["micro_batch_size"])
+        steps = doc["train"]["steps"]
+        doc["checkpoint"] = {**doc["checkpoint"], "every_steps": steps, "memory_every_steps": 0,
+                             "uri": f"file://{tempfile.mkdtemp(prefix='tenax-reference-')}"}
+        losses: dict[int, float] = {}
+        failures: list[dict[str, Any]] = []
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("event") == "step":
+                losses[event["step"]] = event["loss"]
+            elif event.get("event") == "failure":
+                failures.append(event)
+
+        ok = launch(doc, layout.to_dict(), 1, on_event, timeout_s)
+        if not ok or sorted(losses) != list(range(1, steps + 1)):
+            raise AssertionError(f"single-process reference failed: {failures or sorted(losses)}")
+        _REFERENCES[key] = losses
+    return dict(_REFERENCES[key])

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tests.ray_helpers import JobRun, assert_same_losses, make_spec, run_job
+from tests.ray_helpers import JobRun, assert_same_losses, make_spec, reference_losses
 from tests.test_controller_cluster import TWO_NODES, cluster2  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(900)
@@ -27,8 +27,8 @@ def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster2, tmp_
     import psutil
 
     _, nodes = cluster2
-    clean = run_job(make_spec(tmp_path, FAST, "clean"))
-    job = JobRun(make_spec(tmp_path, FAST, "freeze")).start()
+    spec = make_spec(tmp_path, FAST, "freeze")
+    job = JobRun(spec).start()
     # Mid-interval (storage commits steps 5, 10, 15): freezing right after step 10 races its
     # storage commit against step 10's replica, and storage strictly newer rightly wins.
     job.wait_for(lambda: job.controller.step >= 12, 300, "step 12")
@@ -49,4 +49,4 @@ def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster2, tmp_
     assert "missed heartbeats" in failure["cause"], failure
     assert recovered["world_size"] == 2 and recovered["source"] == "replica", recovered
     assert recovered["lost_steps"] <= 1 and job.controller.restarts == 1
-    assert_same_losses(job.losses(), clean.losses())
+    assert_same_losses(job.losses(), reference_losses(spec))

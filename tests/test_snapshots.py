@@ -66,6 +66,33 @@ def test_double_buffer_keeps_the_newest_two_by_write_order(tmp_path):
     assert {(s.generation, s.step) for s in store.complete()} == {(4, 1)}  # gens < 3 dropped
 
 
+def _inode(store: SnapshotDir, step: int, name: str = "shard") -> int:
+    return os.stat(os.path.join(store.series(1, 0), f"s{step}", name)).st_ino
+
+
+def test_a_new_snapshot_rewrites_an_old_buffer_and_the_newest_stays_complete(tmp_path):
+    local = SnapshotDir(str(tmp_path / "local"), keep=2)
+    for step in (1, 2):
+        local.write(_stamp(step, {"shard": bytes([step]) * 4096}), {"shard": bytes([step]) * 4096})
+    oldest = _inode(local, 1)
+    partial = local.begin(1, 0, 3)  # rewrites step 1's buffer: invisible at once
+    assert [s.step for s in local.complete()] == [2]
+    assert os.stat(os.path.join(partial, "shard")).st_ino == oldest
+    local.write(_stamp(3, {"shard": b"c" * 100}), {"shard": b"c" * 100})  # shrinks: cut
+    assert [s.step for s in local.complete()] == [3, 2] and _inode(local, 3) == oldest
+    assert local.read(1, 0, 3)[1]["shard"] == b"c" * 100
+
+    replica = SnapshotDir(str(tmp_path / "replica"), keep=1)  # rewrites its only buffer
+    data = {"shard": b"r" * 4096, "extra": b"e"}
+    replica.write(_stamp(1, data), data)
+    first = _inode(replica, 1)
+    replica.write(_stamp(3, {"shard": b"t" * 4096}), {"shard": b"t" * 4096})
+    assert [s.step for s in replica.complete()] == [3] and _inode(replica, 3) == first
+    assert sorted(os.listdir(os.path.join(replica.series(1, 0), "s3"))) == ["shard", "stamp.json"]
+    stamp, views = replica.mapped(1, 0, 3)  # what a replica is sent from: mapped, not copied
+    assert stamp.step == 3 and bytes(views["shard"]) == b"t" * 4096
+
+
 def piece(holder, kind, rank, step, world=2, gen=1):
     return SnapshotPiece(holder, kind, gen, rank, world, step)
 

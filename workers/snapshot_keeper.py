@@ -64,8 +64,9 @@ class SnapshotKeeper:
     def _dir(self, kind: str) -> SnapshotDir:
         if kind not in KINDS or not self.job_id:
             raise SnapshotError(f"no {kind!r} snapshots here (job {self.job_id!r})")
-        return SnapshotDir(self.local_dir if kind == "local" else self.replica_dir,
-                           keep=2 if kind == "local" else 1)
+        if kind == "local":
+            return SnapshotDir(self.local_dir, keep=2)  # written by the rank: double buffer
+        return SnapshotDir(self.replica_dir, keep=1)
 
     # ---- replication -------------------------------------------------------------------------
     def replicate(self, generation: int, rank: int, step: int) -> None:
@@ -89,8 +90,10 @@ class SnapshotKeeper:
                     self._busy = False
                     return
             try:
-                stamp, files = self._dir("local").read(*wanted)
-                ray.get(peer.hold_replica.remote(stamp.to_json(), files), timeout=REPLICA_TIMEOUT_S)
+                stamp, files = self._dir("local").mapped(*wanted)
+                ref = peer.hold_replica.remote(stamp.to_json(), files)
+                del files  # copied into the object store by .remote(): unmap
+                ray.get(ref, timeout=REPLICA_TIMEOUT_S)
                 self.replicated += 1
             except Exception as exc:  # the peer may be gone; the local copy still serves
                 self.replica_errors += 1
@@ -101,7 +104,7 @@ class SnapshotKeeper:
             except (OSError, SnapshotError) as exc:
                 logger.warning("cannot record the replica of step %d: %s", wanted[2], exc)
 
-    def hold_replica(self, stamp_json: str, files: dict[str, bytes]) -> int:
+    def hold_replica(self, stamp_json: str, files: dict[str, Any]) -> int:
         stamp = SnapshotStamp.from_json(stamp_json)
         with self._lock:  # never after drop_job: the job's directory must stay gone
             if not self.job_id:
@@ -121,11 +124,12 @@ class SnapshotKeeper:
                             "world": stamp.world, "step": stamp.step, "bytes": stamp.nbytes})
         return out
 
-    def read(self, kind: str, generation: int, rank: int, step: int) -> tuple[str, dict[str, bytes]]:
-        stamp, files = self._dir(kind).read(generation, rank, step)
+    def read(self, kind: str, generation: int, rank: int, step: int) -> tuple[str, dict[str, Any]]:
+        """A piece for a restore: checksums verified, files as mapped arrays (see mapped)."""
+        stamp, files = self._dir(kind).mapped(generation, rank, step, verify=True)
         return stamp.to_json(), files
 
-    def assemble(self, job_id: str, key: str, pieces: list[tuple[str, dict[str, bytes]]]) -> str:
+    def assemble(self, job_id: str, key: str, pieces: list[tuple[str, dict[str, Any]]]) -> str:
         """Write the pieces as one committed version under this node's restore dir; its URI.
         (`job_id` given: a newly placed agent has not been told its job yet.)"""
         parsed = [(SnapshotStamp.from_json(stamp), files) for stamp, files in pieces]
