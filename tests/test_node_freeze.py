@@ -12,7 +12,10 @@ from tests.test_controller_cluster import TWO_NODES, cluster2  # noqa: F401 (the
 pytestmark = pytest.mark.timeout(900)
 
 # A short heartbeat timeout keeps the test quick; hang_timeout_s stays above it (policy rule).
-FAST = TWO_NODES + ["fault_tolerance.heartbeat_timeout_s=3", "fault_tolerance.hang_timeout_s=30"]
+# Storage commits only the last step (20): a storage commit racing the frozen node's last replica
+# would rightly win whenever it is strictly newer, and this test is about the replica.
+FAST = TWO_NODES + ["fault_tolerance.heartbeat_timeout_s=3", "fault_tolerance.hang_timeout_s=30",
+                    "checkpoint.every_steps=20"]
 
 
 def node_processes(node):
@@ -29,8 +32,6 @@ def test_a_frozen_node_is_lost_and_its_ranks_resume_from_replicas(cluster2, tmp_
     _, nodes = cluster2
     spec = make_spec(tmp_path, FAST, "freeze")
     job = JobRun(spec).start()
-    # Mid-interval (storage commits steps 5, 10, 15): freezing right after step 10 races its
-    # storage commit against step 10's replica, and storage strictly newer rightly wins.
     job.wait_for(lambda: job.controller.step >= 12, 300, "step 12")
     victim = next(n for n in nodes if n.node_id == job.controller.group.ranks[2].node_id)
     procs = node_processes(victim)
