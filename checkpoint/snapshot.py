@@ -20,16 +20,16 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from checkpoint.catalog import spec_hash
 from checkpoint.planning import PlanCache, plan_save
 from checkpoint.shards import METADATA_NAME, byte_view
-from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
+from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
 from checkpoint.state import manifest_fields
-from checkpoint.writer import WRITE_CHUNK, WRITER_NICE, write_all
+from checkpoint.writer import WRITE_CHUNK, WRITER_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -150,19 +150,22 @@ class MemorySnapshotter:
 
 def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[int]:
     """Copy the tensors' bytes at their planned offsets; returns [bytes, crc32c]."""
-    # No O_TRUNC: a reused buffer's file is rewritten over its own tmpfs pages (cut at the end)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    crc, written = 0, 0
-    try:
+    crc = 0
+
+    def chunks() -> Iterator[memoryview]:
+        expected = 0
         for offset, tensor in tensors:
-            if offset != written:
-                raise OSError(f"{path}: piece at {offset}, expected {written}")
+            if offset != expected:
+                raise OSError(f"{path}: piece at {offset}, expected {expected}")
             view = memoryview(byte_view(tensor))
+            expected += len(view)
             for start in range(0, len(view), WRITE_CHUNK):
-                chunk = view[start:start + WRITE_CHUNK]
-                crc = crc32c_of([chunk], crc)
-                written += write_all(fd, chunk)
-        os.ftruncate(fd, written)
-    finally:
-        os.close(fd)
+                yield view[start:start + WRITE_CHUNK]
+
+    def checksum(chunk: memoryview) -> None:
+        nonlocal crc
+        crc = crc32c_of([chunk], crc)
+
+    # Over the reused buffer's own tmpfs pages (see snapshot_store.overwrite)
+    written = overwrite(path, chunks(), checksum)
     return [written, crc]

@@ -33,11 +33,12 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np  # at import, not at the first restore: importing it in an agent takes 0.2 s
 
 from checkpoint.storage import checksum_algorithms
+from checkpoint.writer import write_all
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +73,18 @@ def crc32c_of(chunks: Iterable[memoryview | bytes], value: int = 0) -> int:
     return value
 
 
-def overwrite(path: str, views: Iterable[memoryview]) -> int:
+def overwrite(path: str, views: Iterable[memoryview],
+              each: Callable[[memoryview], None] | None = None) -> int:
     """Write the views one after another into `path` over its existing pages (no truncation
-    first: a reused tmpfs buffer keeps its pages), then cut it to the bytes written."""
+    first: a reused tmpfs buffer keeps its pages), then cut it to the bytes written. `each`
+    sees every view before it is written (a running checksum)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     written = 0
     try:
         for view in views:
-            while view:
-                n = os.write(fd, view)
-                written, view = written + n, view[n:]
+            if each is not None:
+                each(view)
+            written += write_all(fd, view)
         os.ftruncate(fd, written)
     finally:
         os.close(fd)
@@ -222,12 +225,6 @@ class SnapshotDir:
                 return int(f.read(32))
         except (OSError, ValueError):
             return None
-
-    def newest_step(self, generation: int, rank: int) -> int | None:
-        for stamp in self.complete():  # newest written first
-            if (stamp.generation, stamp.rank) == (generation, rank):
-                return stamp.step
-        return None
 
     def drop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

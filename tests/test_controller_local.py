@@ -46,6 +46,10 @@ def test_killed_rank_resumes_from_memory_losing_at_most_one_step(tmp_path, clean
     assert job.of("placed")[-1]["mode"] == "warm"
     assert_same_losses(job.losses(), clean.losses())
     assert job.controller.restarts == 1 and job.controller.lost_steps <= 1
+    # Rank 0's first snapshot of each attempt is told (what one costs), not one per step
+    snaps = job.of("snapshot")
+    assert len(snaps) == 2 and snaps[0]["step"] == 1 and snaps[1]["step"] > recovered["step"]
+    assert all(s["bytes"] > 0 for s in snaps)
 
 
 def test_without_memory_snapshots_a_killed_rank_resumes_from_storage(tmp_path, clean):
@@ -56,6 +60,7 @@ def test_without_memory_snapshots_a_killed_rank_resumes_from_storage(tmp_path, c
     recovered = job.of("recovered")[0]
     assert recovered["step"] == 10 and recovered["source"] == "storage"  # as before snapshots
     assert recovered["lost_steps"] == 2  # steps 11 and 12 were redone
+    assert not job.of("snapshot")
     assert_same_losses(job.losses(), clean.losses())
     assert job.controller.restarts == 1 and job.controller.lost_steps == 2
 
