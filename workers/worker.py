@@ -17,6 +17,7 @@ with each heartbeat, so no rank ever blocks on the controller.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -34,8 +35,10 @@ logger = logging.getLogger(__name__)
 # "ray": each forked child re-runs its parent's main script (Ray's default_worker.py, which
 # imports ray) as __mp_main__; with ray already imported that costs ~5 ms instead of ~0.5 s
 # on every (re)start — the largest single piece of a warm recovery before this was preloaded.
+# The checkpoint modules (torch.distributed.checkpoint under them) are another ~0.1 s each time.
 PRELOAD = ["ray", "torch", "torch.distributed", "workers.launch", "workers.trainer",
-           "parallel.parallelize"]
+           "parallel.parallelize", "checkpoint.manager", "checkpoint.snapshot",
+           "checkpoint.restore"]
 
 
 @dataclass
@@ -79,6 +82,10 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
     boundary and exit (planned scale changes lose no steps). Every rank agrees on that
     boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank got
     the request."""
+    # The forkserver's preloaded heap (ray, torch: ~10^6 objects) is never freed here, yet
+    # every full collection walked it: 0.3 s inside the first checkpoint load's pickling,
+    # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
+    gc.freeze()
     from workers.chaos_injector import ChaosInjector
     from workers.launch import MemoryOptions, run_rank
 
