@@ -116,7 +116,7 @@ class MemorySnapshotter:
                 files[METADATA_NAME] = [len(metadata), crc32c_of([metadata])]
             stamp = SnapshotStamp(self.generation, self.rank, self.world, step, files, commit)
             self.store.publish(partial, stamp)
-            self._newest = step
+            first, self._newest = self._newest is None, step
         except Exception as exc:
             self.failed += 1
             logger.warning("rank %d: snapshot of step %d failed: %s", self.rank, step, exc)
@@ -125,7 +125,8 @@ class MemorySnapshotter:
             done.set()
         if self.on_done is not None:
             self.on_done({"event": "snapshot", "step": step, "generation": self.generation,
-                          "bytes": stamp.nbytes, "seconds": round(time.monotonic() - t0, 6)})
+                          "bytes": stamp.nbytes, "seconds": round(time.monotonic() - t0, 6),
+                          "first": first})  # this process's first: the controller tells it
 
     def _at_fence(self, done: threading.Event) -> None:
         if not done.wait(FENCE_TIMEOUT_S):

@@ -63,7 +63,6 @@ class Controller:
         self.layout: ParallelLayout | None = None
         self.restarts, self.lost_steps, self.cause = 0, 0, ""
         self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
-        self.snapshot_relayed = False  # rank 0's first in-memory snapshot of an attempt is an event
         self._target_nodes, self.cancel_requested = spec.resources.nodes, False
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
         self.recovery = Recovery()
@@ -343,7 +342,6 @@ class Controller:
             if kind == "started" and record["rank"] == 0:
                 self.goodput.end()  # startup is over: what follows is training
                 self.step = max(self.step, record["step"])  # a resumed job starts here
-                self.snapshot_relayed = False
                 self._on_started(record)
             elif kind == "step":
                 self.max_step_seen = max(self.max_step_seen, record["step"])
@@ -351,10 +349,8 @@ class Controller:
                     self.step, self.loss, self.stepped = record["step"], record["loss"], True
                     self.goodput.step(record.get("step_s", 0.0))
                     self._relay(record)
-            elif kind == "snapshot" and record["rank"] == 0 and not self.snapshot_relayed:
-                # Once per attempt: that snapshots run and what one costs; every step would flood
-                self.snapshot_relayed = True
-                self._relay(record)
+            elif kind == "snapshot" and record["rank"] == 0 and record.get("first"):
+                self._relay(record)  # once per attempt (what one costs); every step would flood
             elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
                 self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))
                 self._relay(record)
