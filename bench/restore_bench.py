@@ -19,13 +19,14 @@ storage would be slower still). Times are the slowest rank's, between barriers.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from bench.common import Report, parse_args, ratio
 
@@ -45,7 +46,8 @@ def _spec(dims: list[str], uri: str) -> Any:
     return load_spec(overrides=dims + COMMON + [f"checkpoint.uri={uri}"])
 
 
-def save_both_job(rank: int, world: int, root: str, dims: list[str]) -> dict[str, Any]:
+def save_both_job(rank: int, world: int, root: str, dims: list[str],
+                  snaps: str) -> dict[str, Any]:
     """One dp2 ZeRO-1 step, then step 1 to storage and to this rank's snapshot directory."""
     from checkpoint.manager import CheckpointManager
     from checkpoint.planning import all_ranks_agree
@@ -58,11 +60,11 @@ def save_both_job(rank: int, world: int, root: str, dims: list[str]) -> dict[str
     trainer.run_step()
     done: list[dict[str, Any]] = []
     with CheckpointManager(spec, trainer, rank, world, timeout_s=300) as mgr:
-        snaps = MemorySnapshotter(spec, mgr.state, rank, world, f"{root}/snap-{rank}",
-                                  GENERATION, all_ranks_agree, done.append)
+        snapshotter = MemorySnapshotter(spec, mgr.state, rank, world, f"{snaps}/snap-{rank}",
+                                        GENERATION, all_ranks_agree, done.append)
         mgr.save(1)
-        snaps.snapshot(1)
-        snaps.close()
+        snapshotter.snapshot(1)
+        snapshotter.close()
         mgr.wait()
     return {"snapshot": done}
 
@@ -79,13 +81,19 @@ def _drop_page_cache(path: str) -> None:
                 os.close(fd)
 
 
-def _assemble(root: str, world: int, rep: int) -> tuple[str, float]:
-    """Read every rank's piece (checksummed) and commit them as one version in /dev/shm."""
+def _assemble(snaps: str, world: int, rep: int) -> tuple[str, float]:
+    """Verify every rank's piece where it lies (checksums) and commit them as one version in
+    /dev/shm, linking the pieces: what an agent does for pieces held on its own node."""
     from checkpoint.restore import assemble_version
     from checkpoint.snapshot_store import SnapshotDir, snapshot_root
 
     t0 = time.perf_counter()
-    pieces = [SnapshotDir(f"{root}/snap-{r}").read(GENERATION, r, 1) for r in range(world)]
+    pieces = []
+    for r in range(world):
+        store = SnapshotDir(f"{snaps}/snap-{r}")
+        stamp, views = store.mapped(GENERATION, r, 1, verify=True)
+        del views
+        pieces.append((stamp, os.path.join(store.series(GENERATION, r), "s1")))
     target = os.path.join(snapshot_root(), f"bench-restore-{os.getpid()}-{rep}")
     return assemble_version(target, pieces), time.perf_counter() - t0
 
@@ -101,10 +109,8 @@ def _timed(fn: Any) -> float:
 
 
 def load_reps_job(rank: int, world: int, root: str, dims: list[str], layout: dict[str, Any],
-                  reps: int) -> dict[str, Any]:
-    """Alternate memory / storage-warm / storage-cold loads of step 1 into `layout`."""
-    import shutil
-
+                  reps: int, snaps: str, s3: dict[str, Any] | None) -> dict[str, Any]:
+    """Alternate memory / storage (warm, cold, s3) loads of step 1 into `layout`."""
     import torch.distributed as dist
 
     from checkpoint.manager import CheckpointManager
@@ -113,29 +119,84 @@ def load_reps_job(rank: int, world: int, root: str, dims: list[str], layout: dic
 
     spec = _spec(dims, f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
-    times: dict[str, list[float]] = {"memory": [], "assemble": [], "storage_warm": [],
-                                     "storage_cold": []}
+    order = ["memory", "storage_warm", "storage_cold"] + (["storage_s3"] if s3 else [])
+    times: dict[str, list[float]] = {k: [] for k in ["assemble", *order]}
     with CheckpointManager(spec, trainer, rank, world, timeout_s=300) as mgr:
+        remote = CheckpointManager(_spec(dims, s3["uri"]), trainer, rank, world, timeout_s=300,
+                                   storage_options=s3["options"]) if s3 else None
         for rep in range(reps):
-            order = ["memory", "storage_warm", "storage_cold"]
             for kind in order if rep % 2 == 0 else order[::-1]:
                 if kind == "memory":
-                    box: list[Any] = [None, 0.0]
-                    if rank == 0:
-                        box = list(_assemble(root, world, rep))
-                    dist.broadcast_object_list(box, src=0)
-                    times["assemble"].append(box[1])
-                    times["memory"].append(_timed(lambda: mgr.load(source_uri=box[0])))
-                    dist.barrier()
-                    if rank == 0:
-                        shutil.rmtree(box[0][len("file://"):], ignore_errors=True)
+                    _memory_rep(mgr, rank, world, snaps, rep, times)
                     continue
                 if kind == "storage_cold" and rank == 0:
                     _drop_page_cache(f"{root}/storage")
-                times[kind].append(_timed(mgr.load))
-        events = mgr.drain_events()
+                times[kind].append(_timed(remote.load if kind == "storage_s3" else mgr.load))
+        events = mgr.drain_events() + (remote.drain_events() if remote else [])
+        if remote is not None:
+            remote.close()
     sources = sorted({e.get("source") for e in events if e["event"] == "checkpoint_loaded"})
     return {"times": times, "sources": sources, "step": trainer.step} if rank == 0 else {}
+
+
+def _memory_rep(mgr: Any, rank: int, world: int, snaps: str, rep: int,
+                times: dict[str, list[float]]) -> None:
+    import shutil
+
+    import torch.distributed as dist
+
+    box: list[Any] = [None, 0.0]
+    if rank == 0:
+        box = list(_assemble(snaps, world, rep))
+    dist.broadcast_object_list(box, src=0)
+    times["assemble"].append(box[1])
+    times["memory"].append(_timed(lambda: mgr.load(source_uri=box[0])))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0][len("file://"):], ignore_errors=True)
+
+
+def _tmpfs() -> str:
+    """Where agents keep snapshots (tmpfs): the assembly links pieces, so the same filesystem."""
+    from checkpoint.snapshot_store import snapshot_root
+
+    os.makedirs(snapshot_root(), exist_ok=True)
+    return snapshot_root()
+
+
+@contextlib.contextmanager
+def moto_s3(wanted: bool) -> Iterator[dict[str, Any] | None]:
+    """A moto S3 server on 127.0.0.1 (an object store, what checkpoint.uri is in production;
+    every byte still stays on this machine); None if not wanted or not installed."""
+    try:
+        from moto.server import ThreadedMotoServer
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        logger.warning("no s3 case: %s", exc)
+        wanted = False
+    if not wanted:
+        yield None
+        return
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ.setdefault(key, value)  # the rank processes inherit them
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+               "skip_instance_cache": True}
+    try:
+        yield {"uri": "s3://tenax-bench/restore", "options": options}
+    finally:
+        server.stop()
+
+
+def upload(local: str, s3: dict[str, Any]) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3["options"])
+    fs.mkdir("tenax-bench")
+    fs.put(f"{local}/", "tenax-bench/restore/", recursive=True)
 
 
 def _med(xs: list[float]) -> float:
@@ -144,7 +205,7 @@ def _med(xs: list[float]) -> float:
 
 def add_rows(report: Report, name: str, t: dict[str, list[float]]) -> None:
     mem_total = [a + m for a, m in zip(t["assemble"], t["memory"])]
-    for storage in ("storage_warm", "storage_cold"):
+    for storage in [k for k in ("storage_warm", "storage_cold", "storage_s3") if t.get(k)]:
         label = storage.split("_")[1]
         report.add(f"{name}: memory load ÷ storage load ({label})",
                    ratio(_med(t["memory"]), _med(t[storage])), "<= 1",
@@ -156,7 +217,11 @@ def add_rows(report: Report, name: str, t: dict[str, list[float]]) -> None:
 
 
 def main() -> int:
-    args = parse_args(__doc__, lambda p: p.add_argument("--reps", type=int, default=0))
+    def extra(p: Any) -> None:
+        p.add_argument("--reps", type=int, default=0)
+        p.add_argument("--no-s3", action="store_true", help="skip the s3:// (moto) storage case")
+
+    args = parse_args(__doc__, extra)
     from tests.distributed import run_ranks
 
     dims = QUICK if args.quick else FULL
@@ -164,14 +229,19 @@ def main() -> int:
     report = Report("Restore from memory vs from storage, same step, side by side")
     context: dict[str, Any] = {"quick": args.quick, "dims": dims, "reps": reps,
                                "load_avg_before": os.getloadavg()}
-    with tempfile.TemporaryDirectory(prefix="tenax-restore-", dir="/var/tmp") as root:
-        saved = run_ranks(save_both_job, 2, root, dims, timeout_s=900)
+    with tempfile.TemporaryDirectory(prefix="tenax-restore-", dir="/var/tmp") as root, \
+            tempfile.TemporaryDirectory(prefix="bench-", dir=_tmpfs()) as snaps, \
+            moto_s3(not args.no_s3) as s3:
+        saved = run_ranks(save_both_job, 2, root, dims, snaps, timeout_s=900)
         sizes = [e["bytes"] for r in saved for e in r["snapshot"]]
         report.add("snapshot of one rank (dp2 ZeRO-1)", max(sizes) / 2**20, unit="MiB",
                    note=f"ranks: {[round(s / 2**20, 1) for s in sizes]} MiB")
+        if s3:
+            upload(f"{root}/storage", s3)
         for name, layout in (("same layout dp2", {"dp": 2, "zero": 1, "micro_batch_size": 1}),
                              ("resharded into tp2", {"tp": 2, "micro_batch_size": 1})):
-            out = run_ranks(load_reps_job, 2, root, dims, layout, reps, timeout_s=1800)[0]
+            out = run_ranks(load_reps_job, 2, root, dims, layout, reps, snaps, s3,
+                            timeout_s=1800)[0]
             if out["step"] != 1 or out["sources"] != ["memory", "storage"]:
                 raise RuntimeError(f"{name}: loaded step {out['step']} from {out['sources']}")
             add_rows(report, name, out["times"])

@@ -131,23 +131,27 @@ class Catalog:
                started_at: float | None = None, extra: Mapping[str, Any] | None = None,
                expected_files: Collection[str] | None = None,
                allow_empty_files: bool = False,
-               before_publish: Callable[[], None] | None = None) -> Manifest:
+               before_publish: Callable[[], None] | None = None,
+               known: Mapping[str, FileEntry] | None = None) -> Manifest:
         """Checksum every file of the version, then write manifest.json last; return it.
 
         `started_at` is `time.monotonic()` when the save began (total_s runs to the manifest
         write; without it total_s is the commit's own time). Refuses when the version dir is
         missing or has no files, a file of `expected_files` is missing, a file is empty (unless
         `allow_empty_files`), or the step is already committed. `before_publish` runs right
-        before the manifest is written and may raise to abort the commit.
+        before the manifest is written and may raise to abort the commit. `known`: entries
+        already checksummed by whoever wrote those bytes (an assembled in-memory snapshot, whose
+        pieces were verified against their stamps); their files are only sized, not re-read.
         """
         t0 = time.monotonic()
         name = version_name(step)
         files = self._files_to_commit(step, expected_files, allow_empty_files)
-        sums = self.storage.checksum_many([f"{name}/{r}" for r in files], self.checksum,
-                                          self.workers)
+        known = {rel: e for rel, e in (known or {}).items() if rel in files}
+        sums = self.storage.checksum_many([f"{name}/{r}" for r in files if r not in known],
+                                          self.checksum, self.workers)
         entries: dict[str, FileEntry] = {}
         for rel in files:
-            res = sums[f"{name}/{rel}"]
+            res = (known[rel].size, known[rel].checksum) if rel in known else sums[f"{name}/{rel}"]
             if isinstance(res, StorageError):
                 raise CatalogError(f"cannot commit step {step}: {res}")
             if res[0] != files[rel]:

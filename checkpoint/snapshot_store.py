@@ -253,13 +253,13 @@ class SnapshotDir:
             for name in os.listdir(base) if os.path.isdir(base) else []:
                 if name.endswith(PARTIAL):
                     continue
-                stamp = self._read_stamp(os.path.join(base, name))
+                stamp = self.read_stamp(os.path.join(base, name))
                 if stamp is not None:
                     stamps.append(stamp)
         return sorted(stamps, key=lambda s: s.written_at, reverse=True)
 
     @staticmethod
-    def _read_stamp(path: str) -> SnapshotStamp | None:
+    def read_stamp(path: str) -> SnapshotStamp | None:
         try:
             with open(os.path.join(path, STAMP_NAME), "rb") as f:
                 return SnapshotStamp.from_json(f.read(MAX_STAMP_BYTES))
@@ -269,7 +269,7 @@ class SnapshotDir:
 
     def _stamped(self, generation: int, rank: int, step: int) -> tuple[SnapshotStamp, str]:
         path = os.path.join(self.series(generation, rank), f"s{step}")
-        stamp = self._read_stamp(path)
+        stamp = self.read_stamp(path)
         if stamp is None:
             raise SnapshotError(f"no complete snapshot of rank {rank} step {step} "
                                 f"(generation {generation}) under {self.root}")

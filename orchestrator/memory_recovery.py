@@ -2,12 +2,14 @@
 
 Before a re-placement (the old agents are still there): ask every live agent at once what it
 holds (one short deadline: an agent that does not answer holds nothing usable), read the
-newest committed storage step, let `choose_recovery_source` decide, and when memory wins start
-reading the chosen pieces. The reads' results are owned by this driver, so they survive the
-holders being replaced by the new placement. After placement, one agent per node of the new
-layout assembles the pieces into a committed version on its node (checkpoint/restore.py) and
-the node's ranks resume from it through the ordinary resharding load. Anything that fails
-here falls back to storage, with the reason logged: memory only ever makes recovery faster.
+newest committed storage step, let `choose_recovery_source` decide, and when memory wins get
+the chosen pieces ready: a rank's own piece on a node the new placement keeps is verified
+where it lies (its node's assembler will hard-link it: no byte moves or is copied); any other
+piece is read now (checksummed, into Ray's object store), so it survives its holder being
+replaced by the placement. After placement, one agent per node of the new layout assembles
+the pieces into a committed version on its node (checkpoint/restore.py) and the node's ranks
+resume from it through the ordinary resharding load. Anything that fails here falls back to
+storage, with the reason logged: memory only ever makes recovery faster.
 """
 from __future__ import annotations
 
@@ -25,9 +27,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PreparedRestore:
-    """A decision and, when it reads memory, the in-flight reads of its pieces (by rank)."""
+    """A decision and, when it reads memory, where each rank's piece comes from: `located`
+    (rank -> a snapshot verified in place on a node that keeps its agents, to be linked
+    there) or `reads` (rank -> the in-flight read of its bytes). `holders` (rank -> agent)
+    serve a located piece's bytes to a node that does not hold it."""
     decision: RecoverySource
-    reads: list[Any] = field(default_factory=list)
+    reads: dict[int, Any] = field(default_factory=dict)
+    located: dict[int, dict[str, str]] = field(default_factory=dict)
+    holders: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,22 +51,43 @@ class MemoryRecovery:
         self.job_id, self.checkpoint_uri = job_id, checkpoint_uri
         self.probe_s, self.timeout_s = probe_s, timeout_s
 
-    def prepare(self, actors: list[Any]) -> PreparedRestore:
-        """Inventory every agent, decide, and start reading the chosen pieces."""
-        pieces = self.inventory(actors)
-        decision = choose_recovery_source(pieces, self.storage_step())
+    def prepare(self, holders: list[tuple[Any, str]], kept_nodes: set[str]) -> PreparedRestore:
+        """Inventory every agent (actor, node id), decide, and verify or read the pieces.
+
+        A rank's own (`local`) piece on a node the new placement keeps is only verified where
+        it lies: that node's assembler links it, so its bytes never travel or get copied. Any
+        other piece is read now, while its holder is surely alive (the placement may replace
+        it)."""
+        actors = [actor for actor, _ in holders]
+        decision = choose_recovery_source(self.inventory(actors), self.storage_step())
         logger.info("job %s: recovery source %s (step %s): %s", self.job_id, decision.source,
                     decision.step, decision.reason)
         if decision.source == "storage":
             return PreparedRestore(decision)
-        reads = [actors[holder].read_snapshot.remote(kind, decision.generation, rank, decision.step)
-                 for rank, holder, kind in decision.holders]
-        ready, _ = ray.wait(reads, num_returns=len(reads), timeout=self.timeout_s,
+        prepared, located = PreparedRestore(decision), {}
+        for rank, holder, kind in decision.holders:
+            actor, node = holders[holder]
+            prepared.holders[rank] = actor
+            if kind == "local" and node in kept_nodes:
+                located[rank] = actor.locate_snapshot.remote(decision.generation, rank,
+                                                             decision.step)
+            else:
+                prepared.reads[rank] = actor.read_snapshot.remote(kind, decision.generation,
+                                                                  rank, decision.step)
+        refs = [*prepared.reads.values(), *located.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s,
                             fetch_local=False)
-        if len(ready) < len(reads):
-            return self._fallback(decision, f"{len(reads) - len(ready)} piece(s) not read in "
+        if len(ready) < len(refs):
+            return self._fallback(decision, f"{len(refs) - len(ready)} piece(s) not read in "
                                             f"{self.timeout_s:.0f}s")
-        return PreparedRestore(decision, reads)
+        try:
+            prepared.located = dict(zip(located, ray.get(list(located.values()), timeout=0)))
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            return self._fallback(decision, f"verifying a snapshot failed: {type(exc).__name__}: "
+                                            f"{str(exc)[:300]}")
+        logger.info("job %s: %d piece(s) verified in place (to link), %d read", self.job_id,
+                    len(prepared.located), len(prepared.reads))
+        return prepared
 
     def inventory(self, actors: list[Any]) -> list[SnapshotPiece]:
         refs = [a.snapshot_inventory.remote() for a in actors]
@@ -93,12 +121,13 @@ class MemoryRecovery:
 
     def assemble(self, prepared: PreparedRestore | None, ranks: list[Any]) -> dict[str, str]:
         """One agent per node of the new layout assembles the pieces; node id -> URI."""
-        if prepared is None or not prepared.reads:
+        if prepared is None or prepared.decision.source == "storage":
             return {}
         d, t0 = prepared.decision, time.monotonic()
         first = {h.node_id: h for h in reversed(ranks)}
         refs = {node: h.actor.assemble_restore.remote(
-                    self.job_id, f"{node[:12]}-g{d.generation}-s{d.step}", *prepared.reads)
+                    self.job_id, d.generation, f"{node[:12]}-s{d.step}",
+                    *[self._piece_for(prepared, rank, node) for rank in range(d.world)])
                 for node, h in first.items()}
         try:
             uris = dict(zip(refs, ray.get(list(refs.values()), timeout=self.timeout_s)))
@@ -108,6 +137,19 @@ class MemoryRecovery:
         logger.info("job %s: step %d assembled from %s on %d node(s) in %.2fs", self.job_id,
                     d.step, d.source, len(uris), time.monotonic() - t0)
         return uris
+
+    @staticmethod
+    def _piece_for(prepared: PreparedRestore, rank: int, node: str) -> Any:
+        """What `node`'s assembler gets for `rank`: the place to link, or the bytes (read
+        from the holder now if nobody has yet; shared by every node that needs them)."""
+        where = prepared.located.get(rank)
+        if where is not None and where["node"] == node:
+            return where
+        if rank not in prepared.reads:
+            d = prepared.decision
+            prepared.reads[rank] = prepared.holders[rank].read_snapshot.remote(
+                "local", d.generation, rank, d.step)
+        return prepared.reads[rank]
 
     def _fallback(self, decision: RecoverySource, why: str) -> PreparedRestore:
         logger.warning("job %s: in-memory step %s unusable (%s); resuming from storage",

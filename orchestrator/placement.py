@@ -60,7 +60,7 @@ class Placer:
         """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail."""
         if group is not None:  # survivors' processes go first: none may write a snapshot
             group.stop_training(self.timeout_s)  # while it is read, and the CPU is the recovery's
-        prepared = self.memory.prepare(group.live_actors()) \
+        prepared = self.memory.prepare(group.live_holders(), group.kept_nodes(layout)) \
             if group is not None and self.wanted else None
         notice = self._plan_memory(layout)
         self.generation += 1

@@ -185,9 +185,17 @@ class WorkerGroup:
         world, g = len(self.ranks), self.gpus_per_node
         return None if world <= g else self.ranks[(rank + g) % world].actor
 
-    def live_actors(self) -> list[Any]:
-        """Every actor of every block not known dead (snapshot holders, old layout included)."""
-        return [h.actor for b in self.blocks if not b["lost"] for h in b["slots"] if h.dead is None]
+    def live_holders(self) -> list[tuple[Any, str]]:
+        """(actor, node id) of every actor of every block not known dead (snapshot holders,
+        old layout included)."""
+        return [(h.actor, h.node_id) for b in self.blocks if not b["lost"] for h in b["slots"]
+                if h.dead is None]
+
+    def kept_nodes(self, layout: ParallelLayout) -> set[str]:
+        """The nodes whose blocks `create(layout)` keeps (it keeps the first live ones)."""
+        needed = math.ceil(layout.world_size / self.gpus_per_node)
+        kept = [b for b in self.blocks if b["lost"] is False][:needed]
+        return {h.node_id for b in kept for h in b["slots"] if h.node_id}
 
     def agents_by_node(self) -> dict[str, list[Any]]:
         """Node id -> the job's agents there that Ray has not reported dead (probe targets)."""

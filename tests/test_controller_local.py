@@ -169,3 +169,44 @@ def test_scale_arriving_while_a_rank_fails_recovers_and_rescales(tmp_path, clean
     assert job.of("placed")[-1]["world_size"] == 4  # recovered onto the requested 2 nodes
     assert job.controller.restarts == 1
     assert_same_losses(job.losses(), clean.losses())
+
+
+def test_an_agent_links_its_own_snapshot_and_never_one_changed_since_it_was_verified():
+    """Pieces held on the assembling agent's node are hard-linked (no byte copied), verified
+    first; a snapshot rewritten after verification, or on another node, is refused; a new
+    restore drops the restores of older snapshot generations (each pins a whole state)."""
+    import os
+
+    from checkpoint.catalog import Catalog
+    from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, crc32c_of
+    from checkpoint.storage import Storage
+    from workers.snapshot_keeper import SnapshotKeeper
+
+    data = {"__0_0.distcp": b"x" * 4096, ".metadata": b"{}"}
+    commit = {"layout": {"dp": 1}, "model_hash": "h", "data_cursor": 4, "seed": 0, "lr_step": 5,
+              "extra": {"format": "tenax-raw-2"}}
+
+    def publish(generation: int) -> None:
+        stamp = SnapshotStamp(generation, 0, 1, 5, {n: [len(d), crc32c_of([d])]
+                                                    for n, d in data.items()}, commit)
+        SnapshotDir(keeper.local_dir).write(stamp, data)
+
+    keeper = SnapshotKeeper()
+    keeper.configure(f"link-test-{os.getpid()}", 0, None, 3)
+    try:
+        publish(3)
+        where = keeper.locate(3, 0, 5)
+        uri = keeper.assemble(keeper.job_id, 3, "node-s5", [where])
+        version = os.path.join(uri[len("file://"):], "step-00000005")
+        assert os.stat(os.path.join(version, "__0_0.distcp")).st_nlink == 2  # linked, not copied
+        assert Catalog(Storage(uri, timeout_s=10)).verify(5) == []
+        with pytest.raises(SnapshotError, match="not this one"):
+            keeper.assemble(keeper.job_id, 3, "node-s5", [{**where, "node": "f" * 56}])
+        publish(3)  # the same step written again after it was verified
+        with pytest.raises(SnapshotError, match="changed since it was verified"):
+            keeper.assemble(keeper.job_id, 3, "node-s5", [where])
+        publish(4)
+        keeper.assemble(keeper.job_id, 4, "node-s5", [keeper.locate(4, 0, 5)])
+        assert os.listdir(os.path.join(keeper.job_root, "restore")) == ["g4"]
+    finally:
+        keeper.drop_job()

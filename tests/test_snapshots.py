@@ -8,8 +8,10 @@ import signal
 import pytest
 import torch
 
+from checkpoint.catalog import Catalog, version_name
 from checkpoint.restore import assemble_version
 from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp
+from checkpoint.storage import Storage
 from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
 from tests.distributed import run_ranks
 from tests.snapshot_jobs import load_both_job, snapshot_and_save_job
@@ -122,7 +124,14 @@ def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
     saved = run_ranks(snapshot_and_save_job, 2, root)
     assert [d["step"] for d in saved[0]["done"]] == [1]
     pieces = [SnapshotDir(f"{root}/snap-{r}").read(7, r, 1) for r in range(2)]
+    # Rank 1's piece is linked where it lies (what an agent on its node does), rank 0's written
+    held = f"{root}/snap-1/g7-r1/s1"
+    pieces[1] = (pieces[1][0], held)
     memory_uri = assemble_version(f"{root}/restore", pieces)
+    shard = next(n for n in pieces[1][0].files if n != ".metadata")
+    assert os.stat(f"{root}/restore/{version_name(1)}/{shard}").st_ino == os.stat(f"{held}/{shard}").st_ino
+    # the stamps' checksums it committed without re-reading are the files' own
+    assert Catalog(Storage(memory_uri, timeout_s=10)).verify(1) == []
     loaded = run_ranks(load_both_job, 2, f"file://{root}/storage", memory_uri)[0]
     storage, memory = loaded["storage"], loaded["memory"]
     assert storage["step"] == memory["step"] == 1 and storage["cursor"] == memory["cursor"]

@@ -4,8 +4,9 @@ The rank's training process writes a snapshot every step into this agent's direc
 (checkpoint/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
 to its peer (the agent one node further along the ring) and holds the replica the peer of the
 previous node sends here. The controller asks every live agent what it holds
-(`inventory`), has the chosen pieces read (`read`, checksummed) and assembled on each new
-node (`assemble`), and drops the job's snapshots when the job ends.
+(`inventory`), has the chosen pieces verified where they lie (`locate`, to be linked by an
+agent on the same node) or read (`read`, checksummed), assembled on each new node
+(`assemble`), and drops the job's snapshots when the job ends.
 
 Replication never blocks training or the agent: one background thread sends the newest
 snapshot; if several complete while a send is in flight only the newest is sent next.
@@ -124,17 +125,53 @@ class SnapshotKeeper:
                             "world": stamp.world, "step": stamp.step, "bytes": stamp.nbytes})
         return out
 
+    def locate(self, generation: int, rank: int, step: int) -> dict[str, str]:
+        """Where this node keeps its own complete snapshot of `step` (checksums verified), for
+        an agent on this node to link instead of copying. Only `local` snapshots: their writer
+        (this rank's training process of that generation) is gone by now and a generation is
+        never written again, so their pages cannot change under a link; a replica can (a
+        peer's late send rewrites its buffer in place)."""
+        import ray
+
+        stamp, views = self._dir("local").mapped(generation, rank, step, verify=True)
+        del views
+        path = os.path.join(self._dir("local").series(generation, rank), f"s{step}")
+        return {"stamp": stamp.to_json(), "path": path,
+                "node": ray.get_runtime_context().get_node_id()}
+
     def read(self, kind: str, generation: int, rank: int, step: int) -> tuple[str, dict[str, Any]]:
         """A piece for a restore: checksums verified, files as mapped arrays (see mapped)."""
         stamp, files = self._dir(kind).mapped(generation, rank, step, verify=True)
         return stamp.to_json(), files
 
-    def assemble(self, job_id: str, key: str, pieces: list[tuple[str, dict[str, Any]]]) -> str:
-        """Write the pieces as one committed version under this node's restore dir; its URI.
+    def assemble(self, job_id: str, generation: int, key: str, pieces: list[Any]) -> str:
+        """Put the pieces together as one committed version under this node's restore dir; its
+        URI. A piece is (stamp JSON, files) to write, or `locate`'s answer for a snapshot on
+        this node, linked. Restores of other snapshot generations are dropped first: their
+        ranks are gone, and each would pin a whole state in host memory until the job ends.
         (`job_id` given: a newly placed agent has not been told its job yet.)"""
-        parsed = [(SnapshotStamp.from_json(stamp), files) for stamp, files in pieces]
-        root = os.path.join(snapshot_root(), _safe(job_id), "restore", _safe(key))
-        return assemble_version(root, parsed)
+        base = os.path.join(snapshot_root(), _safe(job_id), "restore")
+        for name in os.listdir(base) if os.path.isdir(base) else []:
+            if name != f"g{generation}":
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        parsed = [self._piece(p) for p in pieces]
+        return assemble_version(os.path.join(base, f"g{generation}", _safe(key)), parsed)
+
+    @staticmethod
+    def _piece(piece: Any) -> tuple[SnapshotStamp, Any]:
+        if not isinstance(piece, dict):
+            stamp, files = piece
+            return SnapshotStamp.from_json(stamp), files
+        import ray
+
+        if piece.get("node") != ray.get_runtime_context().get_node_id():
+            raise SnapshotError(f"snapshot {piece.get('path')} is on node "
+                                f"{str(piece.get('node'))[:12]}, not this one: cannot link it")
+        stamp = SnapshotStamp.from_json(piece["stamp"])
+        held = SnapshotDir.read_stamp(piece["path"])
+        if held != stamp:  # replaced since it was verified: never link other bytes
+            raise SnapshotError(f"snapshot {piece['path']} changed since it was verified")
+        return stamp, piece["path"]
 
     def drop_job(self) -> None:
         """The job ended: remove everything it kept on this node (every slot's directory) and

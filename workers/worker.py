@@ -262,11 +262,14 @@ class RankWorker:
                       step: int) -> tuple[str, dict[str, Any]]:
         return self.snapshots.read(kind, generation, rank, step)
 
+    def locate_snapshot(self, generation: int, rank: int, step: int) -> dict[str, str]:
+        return self.snapshots.locate(generation, rank, step)
+
     def hold_replica(self, stamp_json: str, files: dict[str, Any]) -> int:
         return self.snapshots.hold_replica(stamp_json, files)
 
-    def assemble_restore(self, job_id: str, key: str, *pieces: tuple[str, dict[str, Any]]) -> str:
-        return self.snapshots.assemble(job_id, key, list(pieces))
+    def assemble_restore(self, job_id: str, generation: int, key: str, *pieces: Any) -> str:
+        return self.snapshots.assemble(job_id, generation, key, list(pieces))
 
     def drop_snapshots(self) -> None:
         """The job ended: stop the training process (it must not write again), then drop."""
