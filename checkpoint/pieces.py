@@ -123,6 +123,43 @@ def save_state(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Piecewi
     return plain, pieces
 
 
+def state_fingerprint(trainer: Any) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """(identity of every tensor a save of `trainer` reads, this rank's optimizer step count).
+
+    The identity is each parameter's and each of its optimizer moments' storage address,
+    shape, strides and dtype, in order; no communication. Why it is enough to reuse a save plan
+    and its tensor views: the engine changes parameters and moments only in place; anything
+    that replaces one (a load, the optimizer's first step creating its state, another layout)
+    changes an address here, and a replaced tensor cannot reappear at its old address while a
+    cached plan still holds views of the old one. The step count is the one value a save holds
+    by copy (`optim.step`), picked as `save_state` and `training_state` pick it (the last
+    parameter's that has one); the caller takes the largest over ranks, as they do.
+    """
+    from checkpoint.reshard import MOMENTS
+
+    zero = trainer.layout.zero
+    owners = {p: dp for dp in trainer.pm.dps for p in dp.params} if zero in (1, 2) else {}
+    out: list[Any] = [zero, type(trainer.optimizer).__name__]
+    step = torch.zeros((), dtype=torch.float32)
+    for name, p in trainer.pm.named_parameters():
+        dp = owners.get(p)
+        holder = dp.shard_of(p) if dp is not None else p
+        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
+        if "step" in state:
+            step = state["step"]
+        out.append((name, _identity(p), tuple(_identity(state.get(m)) for m in MOMENTS)))
+    return tuple(out), step.detach().float().cpu().clone()
+
+
+def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    from parallel.data_parallel import local
+
+    if t is None:
+        return None
+    t = local(t)
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
 class PiecewiseSavePlanner(DefaultSavePlanner):
     """DCP's default planner plus this rank's piecewise tensors as SHARD write items."""
 

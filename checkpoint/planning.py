@@ -47,6 +47,11 @@ class PlanCache:
     file: str | None
     nbytes: int
     metadata_bytes: bytes | None
+    fingerprint: tuple[Any, ...] | None = None  # the provider's state identity it was made for
+    tensors: list[tuple[int, torch.Tensor]] | None = None  # what it resolved (live views)
+
+
+STEP_KEY = "optim.step"  # the one entry a save holds by copy, not as a view of live state
 
 
 def dist_on() -> bool:
@@ -91,7 +96,28 @@ def _state_of(provider: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | 
 
 def plan_save(provider: Any, rank: int, cache: PlanCache | None,
               agree: Callable[[bool], bool]) -> tuple[PlannedSave, PlanCache]:
-    """Plan this rank's part of a save (collective: every rank calls it)."""
+    """Plan this rank's part of a save (collective: every rank calls it).
+
+    Fastest when the provider tells its state's identity (`save_fingerprint`) and no rank's
+    changed since the cached plan: the plan and its views of the live tensors are reused as
+    they are, only the step count is taken anew (one tiny all-reduce each for the agreement
+    and the step; nothing is enumerated or planned)."""
+    fingerprint, step = provider.save_fingerprint() if hasattr(provider, "save_fingerprint") \
+        else (None, None)
+    if fingerprint is not None and agree(cache is not None and cache.tensors is not None
+                                         and cache.fingerprint == fingerprint):
+        if dist_on():
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        tensors = [(off, step if item.index.fqn == STEP_KEY else t)
+                   for item, (off, t) in zip(cache.final_items, cache.tensors)]
+        return PlannedSave(cache.file, tensors, cache.nbytes, cache.metadata_bytes, True), cache
+    planned, cache = _plan_from_state(provider, rank, cache, agree)
+    cache.fingerprint, cache.tensors = fingerprint, planned.tensors
+    return planned, cache
+
+
+def _plan_from_state(provider: Any, rank: int, cache: PlanCache | None,
+                     agree: Callable[[bool], bool]) -> tuple[PlannedSave, PlanCache]:
     plain, pieces = _state_of(provider)
 
     def planner() -> DefaultSavePlanner:

@@ -6,9 +6,10 @@ file DCP planned for this rank (ZeRO-1/2 moments as the rank's own pieces), rank
 assembles the pieces into an ordinary version directory and loads it through the same
 resharding path as storage (checkpoint/restore.py) — one implementation, not two.
 
-Off the critical path: `snapshot(step)` only plans (the plan is cached while shapes do not
-change; one tiny all-reduce confirms it on every rank) and starts a low-priority thread that
-copies the live tensors straight into the tmpfs file and checksums them. The state changes
+Off the critical path: `snapshot(step)` only plans (the plan and its views of the live tensors
+are reused while the state's identity holds, checkpoint/planning.py; tiny all-reduces confirm
+it on every rank) and hands the copy to this rank's low-priority copying thread, which writes
+the live tensors straight into the tmpfs file and checksums them. The state changes
 only inside the next `optimizer.step()`, so a hook there (`fence_before_update`) waits for
 the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol
 of snapshot_store.py makes a copy killed half-way invisible. `on_done(event)` is called from
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -50,7 +52,9 @@ class MemorySnapshotter:
         self.model_hash = spec_hash(spec.model)
         self.skipped = 0
         self._cache: PlanCache | None = None
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None  # one copying thread, started once
+        self._finished: threading.Event | None = None  # the snapshot in flight is done
         self._fence: Any = None
         self.failed = 0
         self._newest: int | None = None  # the last step this process published
@@ -76,14 +80,28 @@ class MemorySnapshotter:
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
         commit = manifest_fields(self.state, self.spec.name, self.model_hash)
         partial = self.store.begin(self.generation, self.rank, step)
-        done = threading.Event()
-        thread = threading.Thread(target=self._copy, daemon=True, name=f"snapshot-{step}",
-                                  args=(step, partial, planned.file, tensors,
-                                        planned.metadata_bytes, commit, done))
-        self._thread = thread
+        done, self._finished = threading.Event(), threading.Event()
         if hasattr(self.state, "fence_before_update"):
             self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
-        thread.start()
+        if self._worker is None:  # starting a thread per step cost 1-15 ms of this thread
+            self._worker = threading.Thread(target=self._serve, daemon=True,
+                                            name="snapshot-copy")
+            self._worker.start()
+        self._jobs.put((step, partial, planned.file, tensors, planned.metadata_bytes, commit,
+                        done, self._finished))
+
+    def _serve(self) -> None:
+        """The copying thread: low priority, one snapshot at a time, until close()."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError:
+            pass
+        while (job := self._jobs.get()) is not None:
+            *args, finished = job
+            try:
+                self._copy(*args)
+            finally:
+                finished.set()
 
     def _replica_caught_up(self) -> bool:
         """Whether the agent has sent (or given up on) this rank's newest snapshot.
@@ -101,10 +119,6 @@ class MemorySnapshotter:
               tensors: list[tuple[int, torch.Tensor]], metadata: bytes | None,
               commit: dict[str, Any], done: threading.Event) -> None:
         t0 = time.monotonic()
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError:
-            pass
         try:
             files: dict[str, list[int]] = {}
             if file is not None:
@@ -140,13 +154,19 @@ class MemorySnapshotter:
 
     def wait(self, timeout_s: float = FENCE_TIMEOUT_S) -> None:
         """Until the snapshot in flight (if any) is published or failed."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        if self._finished is not None:
+            if not self._finished.wait(timeout_s):
+                logger.error("rank %d: snapshot copy still running after %.0fs", self.rank,
+                             timeout_s)
+            self._finished = None
 
     def close(self) -> None:
         self.wait()
         self._drop_fence()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(FENCE_TIMEOUT_S)
+            self._worker = None
 
 
 def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[int]:

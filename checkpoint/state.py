@@ -57,6 +57,12 @@ class TrainerState:
 
         return save_state(self.trainer)
 
+    def save_fingerprint(self) -> tuple[tuple[Any, ...], torch.Tensor]:
+        """Identity of the tensors a save reads, and the step count (checkpoint/pieces.py)."""
+        from checkpoint.pieces import state_fingerprint
+
+        return state_fingerprint(self.trainer)
+
     def fence_before_update(self, wait: Callable[[], None]) -> Any:
         """Call `wait` before the next optimizer step; returns a handle with remove().
 

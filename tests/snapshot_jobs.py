@@ -49,3 +49,43 @@ def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> d
                      "cursor": trainer.loader.state_dict()["samples_consumed"],
                      "source": [e.get("source") for e in events if e["event"] == "checkpoint_loaded"]}
     return out if rank == 0 else {}
+
+
+def _save_bytes(planned: Any) -> dict[str, Any]:
+    from checkpoint.shards import byte_view
+
+    return {"file": planned.file, "metadata": planned.metadata_bytes,
+            "pieces": [(off, bytes(byte_view(t.contiguous()))) for off, t in planned.tensors]}
+
+
+def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """Per step, a save planned with the cached plan (reused while the state's identity holds)
+    vs one planned from scratch: byte for byte the same, including right after the optimizer
+    created its state and after a load replaced every moment."""
+    import checkpoint.planning as planning
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.planning import all_ranks_agree, plan_save
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    enumerated = []
+    state_of = planning._state_of  # noqa: SLF001 - counts the plans made from scratch
+    planning._state_of = lambda provider: enumerated.append(1) or state_of(provider)
+    spec = ckpt_spec(f"file://{root}/storage")
+    trainer = Trainer(spec, ParallelLayout.from_dict(layout))
+    cache, mismatches, fast = None, [], 0
+    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        for step in range(1, 6):
+            if step == 4:
+                mgr.save(3)
+                mgr.wait()
+                mgr.load()  # every moment replaced by the loaded copy
+            else:
+                trainer.run_step()
+            before = len(enumerated)
+            reused, cache = plan_save(mgr.state, rank, cache, all_ranks_agree)
+            fast += len(enumerated) == before
+            fresh, _ = plan_save(mgr.state, rank, None, all_ranks_agree)
+            if _save_bytes(reused) != _save_bytes(fresh):
+                mismatches.append(step)
+    return {"mismatches": mismatches, "fast": fast}
