@@ -194,9 +194,25 @@ def add_rows(report: Report, case: dict[str, Any], goal_detect: str) -> None:
                ", ".join(case["shm_left"])[:200])
 
 
+class Decisions(logging.Handler):
+    """The controller's recovery-source decisions and fallbacks, kept for the JSON: a resume
+    from storage where memory was expected must be explainable after the run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.created:.3f} {record.getMessage()}")
+
+
 def main() -> int:
     args = parse_args(__doc__)
     report = Report("Recovery: detection and resume, measured side by side")
+    decisions = Decisions()
+    source_log = logging.getLogger("orchestrator.memory_recovery")
+    source_log.addHandler(decisions)
+    source_log.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="tenax-recovery-") as root:
         cases = [kill_rank_case(root, args.quick)] + \
             [node_loss_case(root, args.quick, how) for how in ("freeze", "crash")]
@@ -205,7 +221,7 @@ def main() -> int:
     kill = cases[0]
     report.add("kill rank: Ray start (context)", kill["ray_init_s"], unit="s",
                note="embedded ray.init, what `tenax run` adds before the controller starts")
-    report.context = {"quick": args.quick, "cases": cases}
+    report.context = {"quick": args.quick, "cases": cases, "recovery_decisions": decisions.lines}
     report.finish(args.json_path)
     return 0 if all(c["state"] == "SUCCEEDED" for c in cases) else 1
 

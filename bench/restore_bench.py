@@ -1,21 +1,24 @@
 """Restore from memory ÷ restore from storage of the same step, side by side on 2 gloo ranks.
 
-    python -m bench.restore_bench [--quick] [--reps N] [--json PATH]
+    python -m bench.restore_bench [--quick] [--reps N] [--no-s3] [--json PATH]
 
 Why: issue 13's in-memory snapshots are only worth their host RAM if resuming from them is much
 faster than resuming from the storage checkpoint of the same step (expect well below 1). Both
 copies of step 1 come from the same processes: a dp2 ZeRO-1 trainer takes one step, then
 `CheckpointManager.save(1)` writes storage and `MemorySnapshotter.snapshot(1)` the per-rank
-snapshot into /dev/shm (what each rank's agent holds). Then, in fresh processes with the same
-layout (and, as a second pair, resharded into tp2), reps alternate memory/storage/storage/memory:
-- memory: rank 0 reads every rank's piece (size + crc32c checked, what the agents' reads do),
-  assembles them into a committed version under /dev/shm (checkpoint/restore.py, what one
-  agent per node does at placement), then every rank runs `load(source_uri=<that>)`;
-- storage: every rank runs `load()` from checkpoint.uri (a local-disk `file://` directory).
-Storage is timed twice: *warm* (its files still in the page cache, the best case: the node
-that wrote it, moments later) and *cold* (the files' pages dropped with posix_fadvise
-DONTNEED before the load, as a replacement node reading local disk would see; remote object
-storage would be slower still). Times are the slowest rank's, between barriers.
+snapshot into tmpfs (/dev/shm: what each rank's agent holds). Then, in fresh processes with the
+same layout (and, as a second pair, resharded into tp2), reps alternate the sources:
+- memory: rank 0 verifies every rank's piece where it lies (size + crc32c, what the agents'
+  `locate` does) and assembles them into a committed version under /dev/shm by hard-linking
+  them (checkpoint/restore.py, what the agent of a node holding the pieces does; pieces from
+  another node would be copied), then every rank runs `load(source_uri=<that>)`;
+- storage: every rank runs `load()` from checkpoint.uri: a local-disk `file://` directory,
+  timed *warm* (its files still in the page cache: the node that wrote it, moments later) and
+  *cold* (the files' pages dropped with posix_fadvise DONTNEED first, as a replacement node
+  reading local disk would see), and the same files on `s3://` served by moto on 127.0.0.1
+  (an object store, what checkpoint.uri is in production; moto on 2 shared cores is far
+  slower than a real object store, so that ratio says only that a remote store pays per byte).
+Times are the slowest rank's, between barriers.
 """
 from __future__ import annotations
 
