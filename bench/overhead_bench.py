@@ -196,7 +196,7 @@ def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]
                f"{statistics.median(copies):.3f} s (median)" if copies else "no snapshot event")
     report.add("host memory held per rank in /dev/shm", max(held) / 2**20, unit="MiB",
                note=f"measured at the last step: {max(held) / max(sizes or [1]):.2f} x one "
-               f"snapshot (double buffer + peer's replica)")
+               f"snapshot (double buffer + the peer's double-buffered replica)")
     return runs
 
 

@@ -137,9 +137,9 @@ class SnapshotDir:
     def __init__(self, root: str, keep: int = 2) -> None:
         """`keep` buffers per series. Once `keep` are held a new snapshot rewrites the oldest
         one's pages in place (rewriting tmpfs pages costs a fraction of allocating fresh
-        ones). Locally (keep 2) the newest stays complete while the other is rewritten; a
-        replica (keep 1) is rewritten only once its successor's bytes are all on this node (a
-        Ray call's arguments arrive before it runs), so a single failure never finds it torn."""
+        ones). With keep 2 the newest stays complete while the other is rewritten; a replica
+        (keep 2 as well, workers/snapshot_keeper.py) is rewritten only once its successor's
+        bytes are all on this node (a Ray call's arguments arrive before it runs)."""
         if keep < 1:
             raise ValueError(f"keep: {keep} must be >= 1")
         self.root, self.keep = root, keep

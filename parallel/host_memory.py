@@ -2,12 +2,13 @@
 
 Every rank with `checkpoint.memory_every_steps > 0` keeps 2 local snapshot buffers of its full
 training state in its current layout (double buffered, so a process killed mid-copy never
-leaves a torn "latest"), and its agent holds 1 replica of one rank of the previous node block
-(ring: block k's ranks live on block k+1's agents). Buffers are rewritten in place, never
+leaves a torn "latest"), and its agent holds 2 replica buffers of one rank of the previous node
+block (ring: block k's ranks live on block k+1's agents; two, because the ranks of a node that
+is lost mid-send may have delivered different steps, and the older one must still be whole). Buffers are rewritten in place, never
 allocated beside the old ones (checkpoint/snapshot_store.py), so there is no transient extra.
 Per rank on a node:
 
-    steady = peak = 3 x S        (S = one rank's snapshot state bytes)
+    steady = peak = 4 x S        (S = one rank's snapshot state bytes)
     single node (world <= gpus_per_node): no peer, no replica: steady = peak = 2 x S
 
 and per node, the ranks on it (min(gpus_per_node, world)) times that.
@@ -40,10 +41,10 @@ logger = logging.getLogger(__name__)
 ENGINE_FP32_PARAMS = True       # workers/trainer.py: params stay fp32 (autocast on GPUs)
 CURSOR_RNG_BYTES = 64 * 1024    # step, data cursor, CPU/CUDA RNG states: a generous constant
 LOCAL_BUFFERS = 2               # double buffered
-REPLICAS_STEADY = 1             # one rank of the previous node block
-REPLICAS_PEAK = 1               # rewritten in place once the new one's bytes have arrived
+REPLICAS_STEADY = 2             # one rank of the previous node block, double buffered
+REPLICAS_PEAK = 2               # the older one rewritten in place once the new one's bytes arrived
 DTYPES = ("float32", "bfloat16", "float16")
-DESCRIPTION = "in-memory snapshots: 2 local buffers + 1 peer replica"
+DESCRIPTION = "in-memory snapshots: 2 local buffers + 2 peer replica buffers"
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -133,7 +134,7 @@ class SnapshotFootprint:
 
 def node_snapshot_footprint(rank_state_bytes: int, gpus_per_node: int, world_size: int,
                             memory_every_steps: int) -> SnapshotFootprint:
-    """Per rank 3x S (steady = peak) with a peer replica, 2x on a single node;
+    """Per rank 4x S (steady = peak) with a peer replica, 2x on a single node;
     per node the ranks on it times that; memory_every_steps=0 -> all zeros."""
     for name, value in (("resources.gpus_per_node", gpus_per_node), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:

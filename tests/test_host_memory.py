@@ -59,10 +59,10 @@ def test_more_zero_sharding_means_less_per_rank():
         rank_snapshot_bytes(MODEL, ParallelLayout(), "int8")
 
 
-# ---- per node: 2 local buffers + 1 replica, rewritten in place (steady = peak) ----------------
+# ---- per node: 2 local buffers + 2 replica buffers, rewritten in place (steady = peak) -------
 @pytest.mark.parametrize("gpn, world, every, ranks, replica, steady, peak", [
-    (2, 4, 1, 2, True, 2 * 3 * 10, 2 * 3 * 10),      # 2 nodes: the ring replica
-    (4, 16, 5, 4, True, 4 * 3 * 10, 4 * 3 * 10),
+    (2, 4, 1, 2, True, 2 * 4 * 10, 2 * 4 * 10),      # 2 nodes: the ring replica
+    (4, 16, 5, 4, True, 4 * 4 * 10, 4 * 4 * 10),
     (4, 4, 1, 4, False, 4 * 2 * 10, 4 * 2 * 10),     # one node: no peer, no replica
     (8, 2, 1, 2, False, 2 * 2 * 10, 2 * 2 * 10),     # fewer ranks than GPUs on the node
     (2, 4, 0, 2, True, 0, 0),                        # memory_every_steps=0: nothing
@@ -78,7 +78,7 @@ def test_node_footprint(gpn, world, every, ranks, replica, steady, peak):
 
 def test_footprint_text_and_errors():
     on = snapshot_footprint(MODEL, ParallelLayout(dp=4), 2, 1)
-    assert on.what() == "in-memory snapshots: 2 local buffers + 1 peer replica"
+    assert on.what() == "in-memory snapshots: 2 local buffers + 2 peer replica buffers"
     assert "per node (2 ranks)" in on.summary() and "MiB peak" in on.summary()
     assert "single node" in snapshot_footprint(MODEL, ParallelLayout(dp=2), 2).what()
     assert "memory_every_steps=0" in snapshot_footprint(MODEL, ParallelLayout(dp=2), 2, 0).what()
@@ -96,7 +96,7 @@ def spec(every: int = 1, gpn: int = 2):
 
 
 LAYOUT = ParallelLayout(dp=4)   # 2 nodes x 2 ranks
-PEAK = 2 * 3 * rank_snapshot_bytes(MODEL, LAYOUT)
+PEAK = 2 * 4 * rank_snapshot_bytes(MODEL, LAYOUT)
 
 
 def test_off_is_disabled_with_the_field():
@@ -112,7 +112,7 @@ def test_a_node_too_small_disables_them_naming_the_numbers():
     assert plan.per_node_peak_bytes == PEAK
     assert plan.per_rank_bytes == rank_snapshot_bytes(MODEL, LAYOUT)
     for text in ("checkpoint.memory_every_steps=1", f"{PEAK} B", "'node-b'",
-                 f"{SAFE_FRACTION} x", "2 rank(s) x 3 x", "in-memory snapshots off"):
+                 f"{SAFE_FRACTION} x", "2 rank(s) x 4 x", "in-memory snapshots off"):
         assert text in plan.reason
 
 
@@ -180,10 +180,10 @@ def test_plan_layout_reports_snapshot_memory(capsys, tmp_path):
     doc = run_json(capsys, "plan", "layout", "--model-preset", "tiny", "--gpus", "4",
                    "--gpus-per-node", "2")
     snap = doc["snapshot_memory"]
-    assert snap["what"] == "in-memory snapshots: 2 local buffers + 1 peer replica"
+    assert snap["what"] == "in-memory snapshots: 2 local buffers + 2 peer replica buffers"
     lay = ParallelLayout.from_dict(doc["layout"])
     assert snap["rank_state_bytes"] == rank_snapshot_bytes(MODEL, lay)
-    assert snap["per_node_peak_bytes"] == 2 * 3 * snap["rank_state_bytes"]
+    assert snap["per_node_peak_bytes"] == 2 * 4 * snap["rank_state_bytes"]
     assert set(snap["per_rank"]) == set(snap["per_node"]) == {"steady", "peak"}
     job = tmp_path / "job.yaml"
     job.write_text("checkpoint: {memory_every_steps: 0}\n")
@@ -192,13 +192,13 @@ def test_plan_layout_reports_snapshot_memory(capsys, tmp_path):
     assert doc["snapshot_memory"]["per_node_peak_bytes"] == 0
     assert main(["plan", "layout", "--model-preset", "tiny", "--gpus", "4",
                  "--gpus-per-node", "2"]) == 0
-    assert "2 local buffers + 1 peer replica" in capsys.readouterr().out
+    assert "2 local buffers + 2 peer replica buffers" in capsys.readouterr().out
 
 
 def test_plan_memory_reports_snapshot_memory_per_stage(capsys):
     doc = run_json(capsys, "plan", "memory", "--params-b", "1", "--world", "16",
                    "--gpus-per-node", "8")
     zero1 = doc["stages"]["ZeRO-1"]["snapshot_memory"]
-    # bf16 + AdamW ledger: 2 B weights + 12 B/16 optimizer per param, 3x per rank, 8 ranks
-    assert zero1["per_node_steady_bytes"] == pytest.approx(8 * 3 * ((2 + 12 / 16) * 1e9 + C),
+    # bf16 + AdamW ledger: 2 B weights + 12 B/16 optimizer per param, 4x per rank, 8 ranks
+    assert zero1["per_node_steady_bytes"] == pytest.approx(8 * 4 * ((2 + 12 / 16) * 1e9 + C),
                                                            abs=100)

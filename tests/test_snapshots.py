@@ -175,3 +175,26 @@ def test_a_reused_save_plan_writes_what_a_fresh_plan_writes(tmp_path, layout):
         # steps 2, 3 and 5 reused the plan and its views as they were (and 4 where the load
         # wrote into the live moments in place, as zero 0 does: the identity held)
         assert rank["fast"] >= 3
+
+
+def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_complete_one(tmp_path,
+                                                                                         monkeypatch):
+    """Ranks 2 and 3 live on the lost node; rank 2's replica of step 12 arrived, rank 3's did not.
+    Step 11 must still be whole: every rank's piece of it is somewhere (replicas keep two)."""
+    from checkpoint.snapshot_store import SNAPSHOT_ENV
+    from workers.snapshot_keeper import SnapshotKeeper
+
+    monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
+    survivor = SnapshotKeeper()  # the agent holding ranks 2 and 3's replicas (one per slot here)
+    survivor.configure("mid-send", 0, None, 1)
+    data = {"s.distcp": b"y" * 64}
+    for rank, steps in ((2, (11, 12)), (3, (11,))):
+        for step in steps:
+            stamp = SnapshotStamp(1, rank, 4, step, {n: [len(d), 0] for n, d in data.items()}, COMMIT)
+            survivor.hold_replica(stamp.to_json(), data)
+    held = [SnapshotPiece(5, h["kind"], h["generation"], h["rank"], h["world"], h["step"])
+            for h in survivor.inventory()]
+    local = [SnapshotPiece(r, "local", 1, r, 4, s) for r in (0, 1) for s in (11, 12)]
+    decision = choose_recovery_source(local + held, 10)
+    assert (decision.source, decision.step) == ("replica", 11), decision.reason
+    survivor.drop_job()

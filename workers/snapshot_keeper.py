@@ -67,7 +67,12 @@ class SnapshotKeeper:
             raise SnapshotError(f"no {kind!r} snapshots here (job {self.job_id!r})")
         if kind == "local":
             return SnapshotDir(self.local_dir, keep=2)  # written by the rank: double buffer
-        return SnapshotDir(self.replica_dir, keep=1)
+        # Double buffered too: the ranks of one node send their step N independently, so a node
+        # lost mid-way leaves some ranks' replicas at N and others' at N-1; with one buffer N-1
+        # was gone for the first ones and no step was complete (the recovery fell back to
+        # storage in 2 of 4 frozen-node runs). Snapshots wait until every rank's N-1 was sent,
+        # so with two buffers N-1 is always complete.
+        return SnapshotDir(self.replica_dir, keep=2)
 
     # ---- replication -------------------------------------------------------------------------
     def replicate(self, generation: int, rank: int, step: int) -> None:
