@@ -62,19 +62,17 @@ def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
     """Per step, a save planned with the cached plan (reused while the state's identity holds)
     vs one planned from scratch: byte for byte the same, including right after the optimizer
     created its state and after a load replaced every moment."""
-    import checkpoint.planning as planning
     from checkpoint.manager import CheckpointManager
     from checkpoint.planning import all_ranks_agree, plan_save
     from parallel.layout import ParallelLayout
     from workers.trainer import Trainer
 
-    enumerated = []
-    state_of = planning._state_of  # noqa: SLF001 - counts the plans made from scratch
-    planning._state_of = lambda provider: enumerated.append(1) or state_of(provider)
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
-    cache, mismatches, fast = None, [], 0
+    cache, mismatches, fast, enumerated = None, [], 0, []
     with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        pieces_for_save = mgr.state.pieces_for_save  # counts the plans made from scratch
+        mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
         for step in range(1, 6):
             if step == 4:
                 mgr.save(3)
