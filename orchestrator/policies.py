@@ -210,14 +210,30 @@ class NodeLossPolicy:
         return tuple(dict.fromkeys(out))
 
     def _certain(self, snap: JobSnapshot, k: int, block: list["RankHealth"]) -> bool:
-        silent = all(r.heartbeat_age_s > snap.limits.heartbeat_timeout_s for r in block)
-        return k in snap.reported_lost or silent or \
+        return k in snap.reported_lost or self._silent(snap, block) or \
             any(node == block[0].node_id for node, _ in snap.known_lost)
 
+    @staticmethod
+    def _silent(snap: JobSnapshot, block: list["RankHealth"]) -> bool:
+        """Every rank of the block silent for a whole heartbeat timeout. The ranks of a node
+        frozen at one moment can cross the timeout a poll apart (their last replies came in
+        different polls), so the failure may name only some of them; RECOVERING polls no
+        heartbeats, so for a block already quiet at the failure (every rank past half the
+        timeout) the time since counts too, while its node answers no probe."""
+        limit = snap.limits.heartbeat_timeout_s
+        ages = [r.heartbeat_age_s for r in block]
+        if all(a > limit for a in ages):
+            return True
+        if snap.state != "RECOVERING" or block[0].node_id in snap.answered:
+            return False
+        return all(a > limit / 2 and a + snap.state_age_s > limit for a in ages)
+
     def make_decision(self, snap: JobSnapshot) -> Decision:
+        certain = {block[0].node_id for k, block in _blocks(snap)
+                   if block and self._certain(snap, k, block)}
         pending = set(snap.probed) - set(snap.answered) - set(snap.refused)
-        if pending and snap.state_age_s <= snap.state_deadline_s:
-            return Decision(Action.CONTINUE, f"waiting for {len(pending)} node probe(s)")
+        if pending - certain and snap.state_age_s <= snap.state_deadline_s:
+            return Decision(Action.CONTINUE, f"waiting for {len(pending - certain)} node probe(s)")
         lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
         for k, block in _blocks(snap):
             node = block[0].node_id if block else ""

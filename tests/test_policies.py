@@ -207,6 +207,26 @@ def test_node_loss_without_a_probe_when_the_facts_are_certain():
     assert decide(evicted).lost_nodes == (("n1", 2),)
 
 
+def test_a_frozen_node_whose_ranks_cross_the_timeout_a_poll_apart_is_lost_without_waiting():
+    # rank 3's last reply came one poll after rank 2's: the failure names rank 2 alone
+    frozen = [rank(0), rank(1), rank(2, heartbeat_age_s=5.1), rank(3, heartbeat_age_s=4.6)]
+    start = _recovering(frozen, (2,))
+    assert NodeLossPolicy().suspects(start) == ("n0", "n1")  # not certain yet: probed
+    soon = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0",),
+                              state_age_s=0.5))
+    assert (soon.action, soon.lost_nodes) == (Action.REPLAN, (("n1", 2),))  # before the deadline
+    early = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0",),
+                               state_age_s=0.2))
+    assert early.action == Action.CONTINUE  # rank 3 silent 4.8 s of 5: not yet
+    alive = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0", "n1"),
+                               state_age_s=0.5))
+    assert alive.lost_nodes == ()  # its node answered: a live node is never silent
+    busy = [rank(0), rank(1), rank(2, heartbeat_age_s=5.1), rank(3, heartbeat_age_s=1.0)]
+    late = decide(_recovering(busy, (2,), probed=("n0", "n1"), answered=("n0",),
+                              state_age_s=5.5))
+    assert late.lost_nodes == ()  # rank 3 was talking at the failure: silence is not proof
+
+
 # ---- the transition table --------------------------------------------------------------------
 def test_table_gives_every_state_a_deadline_and_a_way_out():
     spec = load_spec()
