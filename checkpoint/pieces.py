@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
@@ -96,30 +95,22 @@ def _moment_pieces(p: torch.Tensor, dp: Any, flat: torch.Tensor | None) -> Piece
 
 def save_state(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, PiecewiseTensor]]:
     """(plain entries, piecewise entries) for DCP; same keys as `training_state(trainer)`."""
-    from checkpoint.reshard import MOMENTS, model_state, training_state
-    from parallel.model import canonical_param_name
+    from checkpoint.reshard import (MOMENTS, agree_on_step, local_step, model_state, param_states,
+                                    training_state)
 
     if trainer.layout.zero not in (1, 2) or not isinstance(trainer.optimizer, torch.optim.AdamW):
         return training_state(trainer), {}  # nothing to gather in these cases
     plain = {f"model.{k}": v for k, v in model_state(trainer).items()}
     pieces: dict[str, PiecewiseTensor] = {}
-    owners = {p: dp for dp in trainer.pm.dps for p in dp.params}
-    step = torch.zeros((), dtype=torch.float32)
-    for name, p in trainer.pm.named_parameters():
-        key, dp = f"optim.{canonical_param_name(name)}", owners.get(p)
-        holder = dp.shard_of(p) if dp is not None else p
-        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
-        if "step" in state:
-            step = state["step"].detach().float().cpu().clone()
+    states = list(param_states(trainer))
+    for s in states:
         for moment in MOMENTS:
-            if dp is None:
-                if moment in state:
-                    plain[f"{key}.{moment}"] = state[moment]
+            if s.dp is None:
+                if moment in s.state:
+                    plain[f"{s.key}.{moment}"] = s.state[moment]
                 continue
-            pieces[f"{key}.{moment}"] = _moment_pieces(p, dp, state.get(moment))
-    if dist.is_initialized():  # a rank whose chunks are all empty has no step of its own
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
-    plain["optim.step"] = step
+            pieces[f"{s.key}.{moment}"] = _moment_pieces(s.param, s.dp, s.state.get(moment))
+    plain["optim.step"] = agree_on_step(local_step(states))
     return plain, pieces
 
 
@@ -132,23 +123,16 @@ def state_fingerprint(trainer: Any) -> tuple[tuple[Any, ...], torch.Tensor]:
     that replaces one (a load, the optimizer's first step creating its state, another layout)
     changes an address here, and a replaced tensor cannot reappear at its old address while a
     cached plan still holds views of the old one. The step count is the one value a save holds
-    by copy (`optim.step`), picked as `save_state` and `training_state` pick it (the last
-    parameter's that has one); the caller takes the largest over ranks, as they do.
+    by copy (`optim.step`), picked by the same walk (`reshard.param_states`) a save takes; the
+    caller takes the largest over ranks, as a save does.
     """
-    from checkpoint.reshard import MOMENTS
+    from checkpoint.reshard import MOMENTS, local_step, param_states
 
-    zero = trainer.layout.zero
-    owners = {p: dp for dp in trainer.pm.dps for p in dp.params} if zero in (1, 2) else {}
-    out: list[Any] = [zero, type(trainer.optimizer).__name__]
-    step = torch.zeros((), dtype=torch.float32)
-    for name, p in trainer.pm.named_parameters():
-        dp = owners.get(p)
-        holder = dp.shard_of(p) if dp is not None else p
-        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
-        if "step" in state:
-            step = state["step"]
-        out.append((name, _identity(p), tuple(_identity(state.get(m)) for m in MOMENTS)))
-    return tuple(out), step.detach().float().cpu().clone()
+    states = list(param_states(trainer))
+    out: list[Any] = [trainer.layout.zero, type(trainer.optimizer).__name__]
+    out += [(s.name, _identity(s.param), tuple(_identity(s.state.get(m)) for m in MOMENTS))
+            for s in states]
+    return tuple(out), local_step(states)
 
 
 def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:

@@ -17,6 +17,8 @@ are all the state there is: a run resumed in another layout continues exactly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +52,35 @@ def _has_moments(trainer: TrainerLike) -> bool:
     return isinstance(trainer.optimizer, torch.optim.AdamW)
 
 
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter as every reader of the optimizer state sees it."""
+    name: str  # the engine's name
+    key: str  # `optim.<canonical name>`: the prefix of its moments' checkpoint keys
+    param: nn.Parameter
+    dp: DataParallel | None  # the ZeRO-1/2 owner that keeps its moments as flat chunks
+    state: dict[str, torch.Tensor]  # the optimizer's state for it; {} where this rank has none
+
+
+def param_states(trainer: TrainerLike) -> Iterator[ParamState]:
+    """Every parameter, its ZeRO-1/2 owner and the optimizer state this rank holds for it: the
+    one walk that saving, snapshot planning and loading share, so they cannot disagree on
+    which tensor holds a parameter's moments."""
+    owners = _dp_of(trainer) if trainer.layout.zero in (1, 2) else {}
+    for name, p in trainer.pm.named_parameters():
+        dp = owners.get(p)
+        holder = dp.shard_of(p) if dp is not None else p
+        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
+        yield ParamState(name, f"optim.{canonical_param_name(name)}", p, dp, state)
+
+
+def local_step(states: list[ParamState]) -> torch.Tensor:
+    """This rank's optimizer step count: the last parameter's that has one (0 if none); the
+    callers take the largest over ranks (`agree_on_step`)."""
+    step = next((s.state["step"] for s in reversed(states) if "step" in s.state), None)
+    return torch.zeros((), dtype=torch.float32) if step is None else step.detach().float().cpu().clone()
+
+
 def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:
     """`optim.<name>.<moment>` tensors in parameter shape, plus `optim.step`.
 
@@ -61,30 +92,23 @@ def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, t
     if not _has_moments(trainer):
         return {}
     out: dict[str, torch.Tensor] = {}
-    owners = _dp_of(trainer)
-    step = torch.zeros((), dtype=torch.float32)
-    for name, p in trainer.pm.named_parameters():
-        key = f"optim.{canonical_param_name(name)}"
-        dp = owners.get(p) if trainer.layout.zero in (1, 2) else None
-        holder = dp.shard_of(p) if dp is not None else p
-        state = trainer.optimizer.state.get(holder, {}) if holder is not None else {}
-        if "step" in state:
-            step = state["step"].detach().float().cpu().clone()
+    states = list(param_states(trainer))
+    for s in states:
         for moment in MOMENTS:
-            value = state.get(moment)
-            if dp is not None and for_load:  # DCP overwrites every element: nothing to gather
-                out[f"{key}.{moment}"] = _as_param_shaped(p, torch.zeros_like(local(p)))
-            elif dp is not None:
-                out[f"{key}.{moment}"] = _as_param_shaped(p, dp.gather_full(p, value))
+            value, key = s.state.get(moment), f"{s.key}.{moment}"
+            if s.dp is not None and for_load:  # DCP overwrites every element: nothing to gather
+                out[key] = _as_param_shaped(s.param, torch.zeros_like(local(s.param)))
+            elif s.dp is not None:
+                out[key] = _as_param_shaped(s.param, s.dp.gather_full(s.param, value))
             elif value is not None:
-                out[f"{key}.{moment}"] = value
+                out[key] = value
             elif for_load:
-                out[f"{key}.{moment}"] = torch.zeros_like(p)
-    out["optim.step"] = _agree_on_step(step)
+                out[key] = torch.zeros_like(s.param)
+    out["optim.step"] = agree_on_step(local_step(states))
     return out
 
 
-def _agree_on_step(step: torch.Tensor) -> torch.Tensor:
+def agree_on_step(step: torch.Tensor) -> torch.Tensor:
     # A ZeRO rank whose chunks are all empty has no optimizer state of its own; the step
     # count is global, so every rank takes the largest.
     import torch.distributed as dist
