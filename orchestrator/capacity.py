@@ -2,13 +2,15 @@
 node still answers.
 
 Ray declares a SIGKILLed node dead only after ~14 s, so the controller keeps its own record of
-slots it knows are gone (`lost_slots`) and probes a suspect node directly: a task pinned to the
-node either runs within the heartbeat timeout or the node is treated as lost.
+slots it knows are gone (`lost_slots`) and probes a suspect node directly: one of the job's
+agents there answers a ping, or a task pinned to the node runs, within the heartbeat timeout,
+or the node is treated as lost.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +21,7 @@ from orchestrator.policies import Capacity
 logger = logging.getLogger(__name__)
 
 RAYLET_CONNECT_S = 0.5
+TASK_AFTER_S = 0.5  # a node whose agents' pings are unanswered this long gets a pinned task
 
 
 @ray.remote(num_cpus=0)
@@ -68,25 +71,28 @@ def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
 
 class NodeProbes:
     """Probes of suspect nodes, all in flight at once and collected without blocking the loop
-    for longer than one wait; the policy decides what an unanswered probe means."""
+    for longer than one wait; the policy decides what an unanswered probe means.
+
+    A live agent's ping answers in milliseconds and proves its node alive, so the pinned task
+    (which needs a Ray worker process on the node: the first one is a fresh interpreter, about
+    a second of CPU there, and on a busy host it slowed the job's first recovery and the steps
+    after it) is sent only where no ping can answer: a node without live agents of the job,
+    one whose pings all failed, or one still silent `TASK_AFTER_S` after its pings went out.
+    Only the task can say a node is gone."""
 
     def __init__(self) -> None:
-        self.refs: dict[str, Any] = {}
+        self.nodes: tuple[str, ...] = ()  # every node being probed
+        self.refs: dict[str, Any] = {}  # node -> its pinned task
         self.pings: dict[Any, str] = {}  # a live agent's ping -> its node (answers in ms)
         self.answered: set[str] = set()
         self.refused: set[str] = set()  # the probe failed outright: the node is unreachable
         self.started = False
+        self.sent_at = 0.0
 
     def start(self, node_ids: tuple[str, ...], agents: dict[str, list[Any]] | None = None) -> None:
-        """Probe each node with a pinned task and, where the job has agents there, a ping of
-        each: an agent that answers proves its node alive without waiting for the task's
-        worker process to start (seconds on a busy node); only the task can say it is gone."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self.started = True
+        """Ping each node's agents now; pinned tasks go out as `collect` finds them needed."""
+        self.started, self.nodes, self.sent_at = True, tuple(node_ids), time.monotonic()
         for node in node_ids:
-            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-            self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
             for actor in (agents or {}).get(node, []):
                 self.pings[actor.ping.remote()] = node
         down = raylets_down(node_ids)
@@ -98,15 +104,31 @@ class NodeProbes:
             logger.info("probing %d node(s) at once: %s", len(node_ids),
                         ", ".join(n[:8] for n in node_ids))
 
+    def _send_tasks(self) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        late = time.monotonic() - self.sent_at > TASK_AFTER_S
+        pinged = set(self.pings.values())
+        for node in self.nodes:
+            if node in self.refs or node in self.answered or node in self.refused:
+                continue
+            if node in pinged and not late:
+                continue
+            why = "its agents' pings are unanswered" if node in pinged else "no agent of the job answers"
+            logger.info("probing node %s with a pinned task: %s", node[:8], why)
+            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
+
     def collect(self, wait_s: float) -> None:
+        self._send_tasks()
         done = self.answered | self.refused
         tasks = {ref: node for node, ref in self.refs.items() if node not in done}
         pings = {ref: node for ref, node in self.pings.items() if node not in done}
-        if not tasks:
+        if not tasks and not pings:
             return
-        ready, _ = ray.wait(list(tasks) + list(pings), num_returns=1, timeout=wait_s)
-        ready, _ = ray.wait(list(tasks) + list(pings), num_returns=len(tasks) + len(pings),
-                            timeout=0)
+        waiting = list(tasks) + list(pings)
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=min(wait_s, TASK_AFTER_S))
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
         for ref in ready:
             node = tasks.get(ref) or pings[ref]
             try:
@@ -121,5 +143,5 @@ class NodeProbes:
         self.refused -= self.answered
 
     def reset(self) -> None:
-        self.refs, self.answered, self.refused, self.started = {}, set(), set(), False
-        self.pings = {}
+        self.nodes, self.refs, self.answered, self.refused, self.started = (), {}, set(), set(), False
+        self.pings, self.sent_at = {}, 0.0

@@ -212,7 +212,7 @@ class Controller:
             target_nodes=self._target_nodes,
             failed_ranks=failure.failed_ranks if failure else (),
             known_lost=failure.lost_nodes if failure else (),
-            reported_lost=tuple(sorted(rec.reported_lost)), probed=tuple(rec.probes.refs),
+            reported_lost=tuple(sorted(rec.reported_lost)), probed=rec.probes.nodes,
             answered=tuple(rec.probes.answered), refused=tuple(rec.probes.refused),
             failure_reason=failure.reason if failure else "")
 

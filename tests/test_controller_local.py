@@ -210,3 +210,40 @@ def test_an_agent_links_its_own_snapshot_and_never_one_changed_since_it_was_veri
         assert os.listdir(os.path.join(keeper.job_root, "restore")) == ["g4"]
     finally:
         keeper.drop_job()
+
+
+def _collect_until_settled(probes, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (set(probes.nodes) <= probes.answered | probes.refused):
+        assert time.monotonic() < deadline, f"probes unsettled: {probes.nodes}"
+        probes.collect(0.2)
+
+
+def test_a_node_whose_agent_answers_gets_no_pinned_task_one_without_a_live_agent_does():
+    """A pinned task needs a Ray worker process on its node (the first: a fresh interpreter,
+    about a second of CPU that slowed every job's first recovery); a live agent's ping proves
+    the node alive without one."""
+    import ray
+
+    from orchestrator.capacity import NodeProbes
+
+    @ray.remote(num_cpus=0)
+    class Agent:
+        def ping(self) -> bool:
+            return True
+
+    node = ray.get_runtime_context().get_node_id()
+    live, dead = Agent.remote(), Agent.remote()
+    ray.get([live.ping.remote(), dead.ping.remote()])
+    ray.kill(dead, no_restart=True)
+    answered_by_ping = NodeProbes()
+    answered_by_ping.start((node,), {node: [dead, live]})
+    _collect_until_settled(answered_by_ping)
+    assert answered_by_ping.answered == {node} and answered_by_ping.refs == {}
+    for agents in ({node: [dead]}, None):  # every ping fails / nobody to ping: the task decides
+        probes = NodeProbes()
+        probes.start((node,), agents)
+        _collect_until_settled(probes)
+        assert probes.answered == {node} and set(probes.refs) == {node}

@@ -138,9 +138,10 @@ class SnapshotKeeper:
         peer's late send rewrites its buffer in place)."""
         import ray
 
-        stamp, views = self._dir("local").mapped(generation, rank, step, verify=True)
+        local = self._dir("local")
+        stamp, views = local.mapped(generation, rank, step, verify=True)
         del views
-        path = os.path.join(self._dir("local").series(generation, rank), f"s{step}")
+        path = os.path.join(local.series(generation, rank), f"s{step}")
         return {"stamp": stamp.to_json(), "path": path,
                 "node": ray.get_runtime_context().get_node_id()}
 
