@@ -8,11 +8,10 @@
     any        | cancel -> CANCELLED
 
 (`orchestrator.states.state_diagram()` prints this from the table; a test keeps them equal.)
-
 One loop iteration: drain the inbox (cancel, scale, node-lost reports from other threads),
 observe (poll heartbeats, collect node probes), take one immutable `JobSnapshot`, ask
 `policies.decide` for a `Decision`, run its executor, move to `TRANSITIONS[state][action]`,
-logging the reason. The controller never decides by itself; PLACING's decision is the outcome
+logging the reason, and idle until the next poll, a request or a training process's end. The controller never decides by itself; PLACING's decision is the outcome
 of placing (a layout from `ScalingPolicy`, then start or a failure for `restart_or_fail`).
 Every state has a deadline from the spec (`states.DEADLINES`). Ranks resume from the newest
 committed checkpoint (resharded into the new layout) inside `run_rank`; since data order and
@@ -217,9 +216,13 @@ class Controller:
             failure_reason=failure.reason if failure else "")
 
     def _idle(self) -> None:
-        """Nothing new: wait for the next heartbeat interval, or less if a request arrives."""
+        """Nothing new: until the next heartbeat poll, a request, or a training process's end."""
         if self.state in (JobState.RUNNING, JobState.RESCALING):
-            self._wake.wait(max(0.0, self.spec.fault_tolerance.heartbeat_interval_s - 0.05))
+            wait_s = max(0.0, self.spec.fault_tolerance.heartbeat_interval_s - 0.05)
+            if self.group is not None:
+                self.group.wait_for_change(wait_s, self._wake)
+            else:
+                self._wake.wait(wait_s)
             self._wake.clear()
 
     # ---- executors ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,11 @@ from parallel.layout import ParallelLayout
 from workers.worker import RankRun, RankWorker
 
 logger = logging.getLogger(__name__)
+
+
+AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
+WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
+WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
 
 
 class PlacementError(RuntimeError):
@@ -51,6 +57,8 @@ class RankHandle:
     step_seen_at: float = field(default_factory=time.monotonic)  # controller clock, no skew
     status: dict[str, Any] = field(default_factory=dict)
     dead: str | None = None  # why Ray says this actor is gone
+    watching: int = 0  # the attempt a `wait_ended` call is in flight for (0: none)
+    ended: int = 0  # the newest attempt seen ended through such a call
 
 
 @dataclass
@@ -72,6 +80,7 @@ class WorkerGroup:
         self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
         self.blocks: list[dict[str, Any]] = []  # per node: placement group + g actor slots
         self.layout: ParallelLayout | None = None
+        self.watches: dict[Any, tuple[RankHandle, int]] = {}  # wait_ended call -> (rank, attempt)
 
     # ---- placement ---------------------------------------------------------------------------
     def create(self, layout: ParallelLayout, timeout_s: float) -> dict[str, int]:
@@ -113,7 +122,7 @@ class WorkerGroup:
 
     def _new_actor(self, pg: Any, index: int) -> RankHandle:
         actor = ray.remote(RankWorker).options(
-            num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=4,
+            num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=AGENT_THREADS,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index)).remote()
         return RankHandle(-1, actor)
@@ -264,6 +273,36 @@ class WorkerGroup:
             h.step_seen_at = h.last_reply
         h.status = reply
         return [{**e, "rank": h.rank} for e in events]
+
+    def wait_for_change(self, timeout_s: float, wake: threading.Event) -> None:
+        """Up to `timeout_s`; sooner when a rank's training process ends (its agent answers a
+        `wait_ended` call kept in flight per rank) or `wake` is set: a killed process is seen at
+        once, not at the next heartbeat poll."""
+        deadline = time.monotonic() + timeout_s
+        for h in self.ranks:
+            if h.dead is None and h.ended < h.attempt != h.watching:
+                h.watching = h.attempt
+                self.watches[h.actor.wait_ended.remote(h.attempt, WATCH_S)] = (h, h.attempt)
+        while not wake.is_set() and (left := deadline - time.monotonic()) > 0:
+            if not self.watches:
+                wake.wait(left)
+                return
+            ready, _ = ray.wait(list(self.watches), num_returns=1, timeout=min(left, WAKE_POLL_S))
+            if ready:
+                for ref in ready:
+                    self._watch_answered(ref)
+                return
+
+    def _watch_answered(self, ref: Any) -> None:
+        h, attempt = self.watches.pop(ref)
+        try:
+            ended = bool(ray.get(ref, timeout=0))
+        except (ray.exceptions.RayError, TimeoutError):
+            ended = True  # the agent is gone: its heartbeat says so, no new watch
+        if h.watching == attempt:
+            h.watching = 0
+        if ended:
+            h.ended = max(h.ended, attempt)
 
     def health(self) -> list[RankHealth]:
         now = time.monotonic()

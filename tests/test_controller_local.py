@@ -247,3 +247,22 @@ def test_a_node_whose_agent_answers_gets_no_pinned_task_one_without_a_live_agent
         probes.start((node,), agents)
         _collect_until_settled(probes)
         assert probes.answered == {node} and set(probes.refs) == {node}
+
+
+def test_an_agent_answers_a_wait_for_its_training_process_as_soon_as_it_ends():
+    """The controller keeps one `wait_ended` per rank in flight, so a process that dies wakes it
+    at once instead of at the next heartbeat poll."""
+    import ray
+
+    from workers.worker import RankRun, RankWorker
+
+    agent = ray.remote(RankWorker).options(num_cpus=0, max_concurrency=4).remote()
+    assert ray.get(agent.wait_ended.remote(1, 0.1), timeout=120) is False  # nothing ran yet
+    waiting = agent.wait_ended.remote(1, 120)
+    broken = RankRun(spec={"train": "not a table"}, layout={}, rank=0, world=1,
+                     addr="127.0.0.1", port=1, gpus_per_node=1)  # fails at once: invalid spec
+    assert ray.get(agent.start.remote(broken), timeout=120) == 1
+    assert ray.get(waiting, timeout=120) is True
+    assert ray.get(agent.heartbeat.remote(), timeout=60)["state"] == "failed"
+    assert ray.get(agent.wait_ended.remote(1, 0.1), timeout=60) is True  # and stays ended
+    ray.kill(agent, no_restart=True)

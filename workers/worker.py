@@ -128,6 +128,8 @@ class RankWorker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified when a training process ends
+        self._ended_attempt = 0  # the newest attempt whose training process has ended
         self._status = RankStatus(rank=-1)
         self._events: list[dict[str, Any]] = []
         self._proc: Any = None
@@ -211,13 +213,15 @@ class RankWorker:
             except (EOFError, OSError):
                 break
             if attempt != self._attempt:
-                return  # a newer attempt owns the status now
+                break  # a newer attempt owns the status now (it ends this one's messages)
             self._handle(kind, payload, conn)
         proc.join(timeout=5)
         with self._lock:
             if attempt == self._attempt and self._status.state in ("starting", "training"):
                 self._status.state = "failed"
                 self._status.error = _exit_reason(proc.exitcode)
+            self._ended_attempt = max(self._ended_attempt, attempt)
+            self._ended.notify_all()
 
     def _handle(self, kind: str, payload: Any, conn: Any) -> None:
         if kind == "claim":
@@ -257,6 +261,13 @@ class RankWorker:
         with self._lock:
             return {**asdict(self._status), "events": self._events[since:],
                     "n_events": len(self._events), "time": time.time()}
+
+    def wait_ended(self, attempt: int, timeout_s: float) -> bool:
+        """Block until training process `attempt` has ended (True) or `timeout_s` passed. The
+        controller keeps one of these in flight per rank, so a process that exits wakes it at
+        once instead of at its next heartbeat poll (up to heartbeat_interval_s later)."""
+        with self._ended:
+            return self._ended.wait_for(lambda: self._ended_attempt >= attempt, timeout_s)
 
     # ---- in-memory snapshots (workers/snapshot_keeper.py) ----------------------------------
     def snapshot_inventory(self) -> list[dict[str, Any]]:
