@@ -8,11 +8,13 @@
     any        | cancel -> CANCELLED
 
 (`orchestrator.states.state_diagram()` prints this from the table; a test keeps them equal.)
+
 One loop iteration: drain the inbox (cancel, scale, node-lost reports from other threads),
-observe (poll heartbeats, collect node probes), take one immutable `JobSnapshot`, ask
-`policies.decide` for a `Decision`, run its executor, move to `TRANSITIONS[state][action]`,
-logging the reason, and idle until the next poll, a request or a training process's end. The controller never decides by itself; PLACING's decision is the outcome
-of placing (a layout from `ScalingPolicy`, then start or a failure for `restart_or_fail`).
+observe (poll heartbeats, collect node probes; the ranks' records are accounted for in
+`rank_records`), take one immutable `JobSnapshot`, ask `policies.decide` for a `Decision`, run
+its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the next
+poll, a request or a training process's end. The controller never decides by itself; PLACING's
+decision is the outcome of placing (a layout from `ScalingPolicy`, then start or a failure for `restart_or_fail`).
 Every state has a deadline from the spec (`states.DEADLINES`). Ranks resume from the newest
 committed checkpoint (resharded into the new layout) inside `run_rank`; since data order and
 init depend only on (seed, sample index, name), a resumed run reproduces the clean losses.
@@ -32,6 +34,7 @@ from orchestrator.goodput import Goodput
 from orchestrator.job_facts import Recovery, Rescaling
 from orchestrator.health import StragglerFlag, StragglerTracker
 from orchestrator.placement import PLACEMENT_ERRORS, Placer
+from orchestrator.rank_records import absorb
 from orchestrator.inbox import CancelRequest, Inbox, NodeLostReport, PreemptRequest, ScaleRequest
 from orchestrator.policies import (STARTUP_HANG_FACTOR, Action, Capacity, Decision, JobSnapshot,
                                    Limits, NodeLossPolicy, ScalingPolicy, decide, restart_or_fail)
@@ -181,7 +184,7 @@ class Controller:
         if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:
             return []
         records = self.group.poll(interval)
-        self._absorb(records)
+        absorb(self, records)
         self.new_flags = tuple(self.stragglers.observe(records, self.layout.world_size))
         for flag in self.new_flags:
             self.publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
@@ -337,55 +340,6 @@ class Controller:
                 self.group.drop_snapshots(self.spec.fault_tolerance.heartbeat_timeout_s)
             self.group.shutdown()
             self.group = None
-
-    # ---- records -----------------------------------------------------------------------------
-    def _absorb(self, records: list[dict[str, Any]]) -> None:
-        for record in records:
-            kind = record.get("event")
-            if kind == "started" and record["rank"] == 0:
-                self.goodput.end()  # startup is over: what follows is training
-                self.step = max(self.step, record["step"])  # a resumed job starts here
-                self._on_started(record)
-            elif kind == "step":
-                self.max_step_seen = max(self.max_step_seen, record["step"])
-                if record["rank"] == 0:
-                    self.step, self.loss, self.stepped = record["step"], record["loss"], True
-                    self.goodput.step(record.get("step_s", 0.0))
-                    self._relay(record)
-            elif kind == "snapshot" and record["rank"] == 0 and record.get("first"):
-                self._relay(record)  # once per attempt (what one costs); every step would flood
-            elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
-                self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))
-                self._relay(record)
-
-    def _relay(self, record: dict[str, Any]) -> None:
-        """A rank's record as an event, keeping the `time` the rank stamped it with."""
-        self.publish(record["event"], **{k: v for k, v in record.items() if k not in ("event", "rank")})
-
-    def _on_started(self, record: dict[str, Any]) -> None:
-        rescaled, rec = self.rescaling, self.recovery
-        if rescaled.stopped and rescaled.old is not None:
-            self.publish("scaled", step=record["step"], **{"from": rescaled.old.degrees()},
-                         from_world=rescaled.old.world_size, layout=self.layout.degrees(),
-                         world_size=self.layout.world_size,
-                         seconds=round(time.monotonic() - rescaled.since, 3),
-                         lost_steps=max(0, self.max_step_seen - record["step"]))
-            self.rescaling = Rescaling()
-        if rec.failed_at is None:
-            return
-        resumed = record["step"]
-        lost = max(0, self.max_step_seen - resumed)
-        self.lost_steps += lost
-        self.goodput.lost_steps(lost)
-        source = rec.source if record.get("source") == "memory" else \
-            record.get("source") or "none"
-        seconds = round(time.monotonic() - rec.failed_at, 3)
-        logger.info("job %s: recovered at step %d from %s in %.2fs, %d step(s) lost",
-                    self.job_id, resumed, source, seconds, lost)
-        self.publish("recovered", step=resumed, layout=self.layout.degrees(),
-                     world_size=self.layout.world_size, lost_steps=lost, seconds=seconds,
-                     source=source)
-        rec.failed_at = None
 
     # ---- capacity and status -----------------------------------------------------------------
     def capacity(self) -> Capacity:

@@ -235,11 +235,10 @@ class NodeLossPolicy:
         if pending - certain and snap.state_age_s <= snap.state_deadline_s:
             return Decision(Action.CONTINUE, f"waiting for {len(pending - certain)} node probe(s)")
         lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
-        for k, block in _blocks(snap):
+        for _, block in _blocks(snap):
             node = block[0].node_id if block else ""
             whole = bool(block) and all(r.rank in failed or r.dead for r in block)
-            if block and node not in lost and (self._certain(snap, k, block) or
-                                               node in snap.refused or
+            if block and node not in lost and (node in certain or node in snap.refused or
                                                (whole and node in pending)):
                 lost[node] = len(block)
         gone = "; ".join(f"node {n[:8]} lost ({s} slot(s))" for n, s in lost.items())
