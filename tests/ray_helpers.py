@@ -100,6 +100,7 @@ def reference_losses(spec: Any, timeout_s: float = 300) -> dict[int, float]:
     one process is several times cheaper than placing and running the clean job on Ray. Cached
     per model/train/data settings, which many tests share."""
     from parallel.layout import ParallelLayout
+    from tests.distributed import rank_context
     from workers.launch import launch
 
     doc = spec.to_dict()
@@ -119,7 +120,7 @@ def reference_losses(spec: Any, timeout_s: float = 300) -> dict[int, float]:
             elif event.get("event") == "failure":
                 failures.append(event)
 
-        ok = launch(doc, layout.to_dict(), 1, on_event, timeout_s)
+        ok = launch(doc, layout.to_dict(), 1, on_event, timeout_s, rank_context())
         if not ok or sorted(losses) != list(range(1, steps + 1)):
             raise AssertionError(f"single-process reference failed: {failures or sorted(losses)}")
         _REFERENCES[key] = losses

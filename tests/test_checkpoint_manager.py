@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -30,7 +29,7 @@ from orchestrator.cli import main as tenax
 from tests.ckpt_jobs import (DictState, ckpt_spec, killable_job, load_and_step_job,
                              rank_failure_job, roundtrip_job, save_modes_job, snapshot_job,
                              train_losses)
-from tests.distributed import run_ranks
+from tests.distributed import rank_context, run_ranks
 from tests.test_storage import s3_options  # noqa: F401  (the moto S3 server fixture)
 
 DEADLINE_S = 120.0
@@ -89,7 +88,7 @@ def test_a_save_is_a_snapshot_while_training_goes_on(tmp_path: Path) -> None:
 def _start_paused_save(tmp_path: Path, writer: str) -> tuple[Any, Any, int, str]:
     uri, pause = f"file://{tmp_path}/ckpt", tmp_path / "pause"
     pause.mkdir()
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=killable_job, args=(uri, str(pause), writer, queue), daemon=True)
     proc.start()
@@ -306,7 +305,8 @@ def test_resumed_launcher_run_equals_uninterrupted(tmp_path: Path) -> None:
     def run(nproc: int) -> list[dict]:
         events: list[dict] = []
         layout = layout_from_spec(spec, nproc)
-        assert launch(spec.to_dict(), layout.to_dict(), nproc, events.append, DEADLINE_S)
+        assert launch(spec.to_dict(), layout.to_dict(), nproc, events.append, DEADLINE_S,
+                      rank_context())
         return events
 
     first = run(2)

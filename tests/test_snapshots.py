@@ -1,7 +1,6 @@
 """In-memory snapshots: torn ones are never used, and a snapshot reshards exactly like storage."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 
@@ -13,7 +12,7 @@ from checkpoint.restore import assemble_version
 from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp
 from checkpoint.storage import Storage
 from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
-from tests.distributed import run_ranks
+from tests.distributed import rank_context, run_ranks
 from tests.snapshot_jobs import load_both_job, reused_plan_job, snapshot_and_save_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,7 +41,7 @@ def _killed_mid_copy(root: str) -> None:
 def test_a_snapshot_torn_by_a_killed_process_is_never_used(tmp_path):
     store = SnapshotDir(str(tmp_path))
     store.write(_stamp(1, {"shard": b"a" * 2000}), {"shard": b"a" * 2000})
-    proc = mp.get_context("spawn").Process(target=_killed_mid_copy, args=(str(tmp_path),))
+    proc = rank_context().Process(target=_killed_mid_copy, args=(str(tmp_path),))
     proc.start()
     proc.join(60)
     assert proc.exitcode == -signal.SIGKILL

@@ -267,9 +267,11 @@ def _rank_process(spec_dict: dict, layout_dict: dict, rank: int, world: int, por
 
 
 def launch(spec_dict: dict[str, Any], layout_dict: dict[str, Any], nproc: int,
-           on_event: Callable[[dict[str, Any]], None], timeout_s: float) -> bool:
-    """Spawn `nproc` ranks; True when every rank finished. Kills all ranks on the first failure."""
-    ctx = mp.get_context("spawn")
+           on_event: Callable[[dict[str, Any]], None], timeout_s: float,
+           context: Any = None) -> bool:
+    """Spawn `nproc` ranks; True when every rank finished. Kills all ranks on the first failure.
+    `context`: the multiprocessing context to start them from (default: spawn)."""
+    ctx = context or mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_process, args=(spec_dict, layout_dict, r, nproc, port, queue))
