@@ -13,6 +13,10 @@ from typing import Any
 from checkpoint.storage import StorageError, validate_relpath
 
 FORMAT_VERSION = 1
+# DCP's global plan, written by rank 0 beside the shard files. Named here, not in shards.py,
+# so that a rank's agent can handle versions and snapshots without importing torch (~3 s of
+# CPU per agent at every placement).
+METADATA_NAME = ".metadata"
 ECHO_CHARS = 60  # manifests come from storage: quote at most this much of a bad value
 
 

@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from checkpoint.metadata_codec import (FORMAT, MetadataFormatError, ShardLocation,
                                        decode_metadata, dtype_from_name, encode_metadata)
+from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
 READ_WINDOW = 4  # stored chunks read concurrently (object stores are latency-bound)
 
 

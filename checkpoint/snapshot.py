@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from checkpoint.catalog import spec_hash
+from checkpoint.manifest import METADATA_NAME
 from checkpoint.planning import PlanCache, plan_save
-from checkpoint.shards import METADATA_NAME, byte_view
+from checkpoint.shards import byte_view
 from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
 from checkpoint.state import manifest_fields
 from checkpoint.writer import WRITE_CHUNK, WRITER_NICE

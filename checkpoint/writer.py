@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from checkpoint.catalog import Catalog, version_name
-from checkpoint.shards import METADATA_NAME
+from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage import MIN_BYTES_PER_S, Storage
 
 logger = logging.getLogger(__name__)

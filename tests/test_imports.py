@@ -180,3 +180,15 @@ def test_lower_layers_import_with_orchestrator_blocked() -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_agents_and_the_controller_start_without_torch() -> None:
+    """A rank's agent (a Ray actor per GPU) and the controller never run torch: importing it
+    cost each agent ~3 s of CPU at every placement (the forkserver under the agent, which the
+    training processes fork from, preloads it instead)."""
+    script = ("import sys, workers.worker, orchestrator.worker_group, orchestrator.controller, "
+              "orchestrator.service\n"
+              "sys.exit(1 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr or "torch was imported"

@@ -139,9 +139,9 @@ class RankWorker:
         self._control: Any = None
         self._attempt = 0
         self.snapshots = SnapshotKeeper()
-        # The agent imported torch with the snapshot code (~2.5*10^5 objects that live as long
-        # as it does): a full collection walks them all (~0.2 s on 2 cores), whenever one falls
-        # due, a recovery's verification or assembly included. Frozen, they are skipped.
+        # What the agent imported (ray, the snapshot code) lives as long as it does: a full
+        # collection walks all of it whenever one falls due, a recovery's verification or
+        # assembly included. Frozen, it is skipped.
         gc.freeze()
         threading.Thread(target=self._warm_up, daemon=True).start()
 
