@@ -66,6 +66,7 @@ class Controller:
         self.restarts, self.lost_steps, self.cause = 0, 0, ""
         self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
         self._target_nodes, self.cancel_requested = spec.resources.nodes, False
+        self.interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
         self.recovery = Recovery()
         self.rank_faults: list[dict[str, Any]] = []  # drills the ranks inject (chaos driver)
@@ -137,7 +138,7 @@ class Controller:
                 self.step_once()
         except KeyboardInterrupt:
             self.cancel_requested = True
-            self._transition(JobState.CANCELLED, "interrupted by the user (Ctrl-C)")
+            self._transition(JobState.CANCELLED, f"interrupted ({self.interrupted_by})")
         finally:
             self._stop_group()
         return self.state

@@ -2,8 +2,8 @@
 
 Without `--address` an embedded local Ray is started (on 127.0.0.1, private temp dir, one fake
 GPU slot per rank when the machine has none) and shut down afterwards. Exit code 0 only when
-the job reached train.steps. Ctrl-C stops the workers; committed checkpoints stay intact, so
-running the same command again resumes.
+the job reached train.steps. Ctrl-C or SIGTERM (what a batch scheduler or `kill` sends) stops
+the workers; committed checkpoints stay intact, so running the same command again resumes.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import tempfile
+import threading
 from typing import Any, Iterator, TextIO
 
 from rich.markup import escape
@@ -44,6 +46,33 @@ def ray_session(address: str | None, spec: JobSpec) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts(controller: Any) -> Iterator[None]:
+    """SIGTERM stops the job the way Ctrl-C does (a KeyboardInterrupt the controller turns into
+    CANCELLED after stopping the workers) instead of killing this process before it can stop
+    them. Why not rely on SIGINT alone: a job started in the background (`nohup ... &`) has
+    SIGINT ignored, and schedulers send SIGTERM. A second SIGTERM while stopping is logged,
+    not raised, so the stop itself is never cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set on the main thread
+        return
+    fired = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if fired.is_set():
+            logger.warning("already stopping the job (SIGTERM ignored); SIGKILL stops at once")
+            return
+        fired.set()
+        controller.interrupted_by = "SIGTERM"
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class EventSink:
@@ -127,7 +156,8 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
 
             metrics = serve_metrics(controller, metrics_port, sink)
         try:
-            state = controller.run()
+            with sigterm_interrupts(controller):
+                state = controller.run()
         finally:
             sink.close()
             if metrics is not None:

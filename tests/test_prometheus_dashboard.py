@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,16 @@ def tail(path: Path) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
+@dataclass
+class RunningJob:
+    port: int  # where it serves metrics
+    proc: subprocess.Popen
+    log: Path
+
+
 @pytest.fixture(scope="module")
-def tenax_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """A real `tenax run --metrics-port` on an embedded Ray; yields the metrics port."""
+def tenax_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob]:
+    """A real `tenax run --metrics-port` on an embedded Ray."""
     tmp = tmp_path_factory.mktemp("tenax-run")
     port, log = free_port(), tmp / "run.log"
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
@@ -105,9 +113,9 @@ def tenax_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                           if proc.poll() is not None else None)
         wait_for("tenax run to serve metrics", lambda: "tenax_job_step{" in requests.get(
             f"http://127.0.0.1:{port}/metrics", timeout=2).text, 60, exited)
-        yield port
+        yield RunningJob(port, proc, log)
     finally:
-        stop(proc)
+        stop(proc, signal.SIGTERM)
 
 
 def prometheus_config(metrics_port: int) -> dict[str, Any]:
@@ -122,12 +130,12 @@ def prometheus_config(metrics_port: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(tenax_job: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def prometheus(tenax_job: RunningJob, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus on 127.0.0.1 scraping the job; yields its base URL."""
     exe = binary("prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
     config_file, log = tmp / "prometheus.yml", tmp / "prometheus.log"
-    config_file.write_text(yaml.safe_dump(prometheus_config(tenax_job)))
+    config_file.write_text(yaml.safe_dump(prometheus_config(tenax_job.port)))
     promtool = subprocess.run([binary("promtool"), "check", "config", str(config_file)],
                               capture_output=True, text=True, timeout=60)
     assert promtool.returncode == 0, promtool.stdout + promtool.stderr
@@ -214,6 +222,18 @@ def test_dashboard_and_alert_queries_run_against_real_prometheus(prometheus: str
         return rules if done else None
     for rule in wait_for("every alert rule to be evaluated", evaluated, 20):
         assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
+
+
+def test_sigterm_stops_tenax_run_like_ctrl_c(tenax_job: RunningJob) -> None:
+    """What a batch scheduler sends: the workers stop, the job ends CANCELLED, the embedded
+    Ray goes with it (default SIGTERM killed the driver and left them behind). Runs after the
+    Prometheus test, which needs the job running."""
+    proc = tenax_job.proc
+    assert proc.poll() is None, f"tenax run exited early:\n{tail(tenax_job.log)}"
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    log = tail(tenax_job.log)
+    assert code == 1 and "ended CANCELLED" in log and "interrupted (SIGTERM)" in log, log
 
 
 def test_promtool_accepts_the_alert_rules() -> None:
