@@ -151,7 +151,10 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
         f"train.steps={steps}", f"checkpoint.every_steps={steps}",
         f"checkpoint.memory_every_steps={every}"], f"overhead-snap{every}")
     job = TimedJob(spec).start()
+    job.wait_for(lambda: job.controller.step >= WARMUP, TIMEOUT_S, f"step {WARMUP}")
+    cpu0, step0 = orchestration_cpu(), job.controller.step
     job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
+    cpu1, step1 = orchestration_cpu(), job.controller.step
     held = shm_bytes(job.controller.job_id)
     job.finish(TIMEOUT_S)
     if job.state != "SUCCEEDED":
@@ -164,6 +167,10 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     out["snapshot_bytes"] = sorted({e["bytes"] for e in job.of("snapshot") if e.get("bytes")})
     out["snapshot_copy_s"] = [e["seconds"] for e in job.of("snapshot") if "seconds" in e]
     out["shm_bytes_held"], out["world"] = held, spec.resources.world_size
+    used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}  # agents replicate: their CPU counts
+    out["orchestration_cpu_s_per_step"] = sum(used.values()) / max(1, step1 - step0)
+    out["orchestration_cpu_s_per_step_by_process"] = {
+        k: round(v / max(1, step1 - step0), 5) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
     return out
 
 
@@ -188,6 +195,12 @@ def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]
         report.add("rank CPU per step: off ÷ snapshots", statistics.median(cpu),
                    note=f"rank 0's CPU seconds per step (copy thread included), pairs "
                    f"{cpu[0]:.3f}-{cpu[-1]:.3f}; less load-sensitive than tokens/s")
+    extra = sorted(a["orchestration_cpu_s_per_step"] - b["orchestration_cpu_s_per_step"]
+                   for a, b in zip(on, off))
+    steps_cpu = statistics.mean(r["rank_cpu_s_per_step"] for r in off if "rank_cpu_s_per_step" in r)
+    report.add("CPU outside the ranks per step: snapshots − off", statistics.median(extra),
+               unit="s", note=f"Ray's daemons and the agents (who replicate), pairs "
+               f"{extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs {steps_cpu:.3f} CPU s")
     sizes = [b for r in on for b in r["snapshot_bytes"]]
     held = [r["shm_bytes_held"] / r["world"] for r in on]
     copies = [c for r in on for c in r["snapshot_copy_s"]]
