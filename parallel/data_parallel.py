@@ -19,8 +19,8 @@ says, on top of TP, with a memory ledger they can check. So:
   accumulator, so between micro-batches it holds only 1/N of the gradient bytes. Costs
   (m+1)(N-1)/N of the grad bytes for m micro-batches (m reduce-scatters + the all-gather).
   Pipeline schedules (overlap=False) run backward outside our loop: one reduce-scatter at the end.
-- zero 3: FSDP2 `fully_shard` per block, then the embedding, final norm and head each as their
-  own unit, then the root (which then owns no parameters). FSDP2 keeps the *root's* parameters
+- zero 3 (parallel/fully_sharded.py): FSDP2 `fully_shard` per block, then the embedding, final
+  norm and head each as their own unit, then the root (which then owns no parameters). FSDP2 keeps the *root's* parameters
   unsharded from forward to backward; giving embedding/norm/head their own units reshards them
   after forward like every block, so every parameter is all-gathered twice per micro-batch.
 
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
@@ -369,30 +368,3 @@ def _like_param(p: nn.Parameter, local_grad: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor):
         return DTensor.from_local(local_grad, p.device_mesh, p.placements, run_check=False)
     return local_grad
-
-
-ROOT_UNITS = ("tok_embeddings", "norm", "output")
-
-
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, block_names: str = "layers") -> nn.Module:
-    """ZeRO-3: shard each transformer block, the embedding, final norm and head, then the root.
-
-    `dp_mesh` spans dp*cp ranks: context-parallel ranks hold the same weights, so they shard
-    them like data-parallel ranks do. The embedding, norm and head get units of their own
-    because FSDP2 never reshards the root's own parameters between forward and backward; as
-    separate units they are resharded after forward like the blocks, so ZeRO-3 holds 1/N of
-    every parameter outside the layer being computed and moves exactly (2m+1)(N-1)/N of the
-    parameter bytes per step (the cost model's figure).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = getattr(model, block_names)
-    for block in blocks.values():
-        fully_shard(block, mesh=dp_mesh)
-    units = [name for name in ROOT_UNITS if getattr(model, name, None) is not None]
-    for name in units:
-        fully_shard(getattr(model, name), mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    logger.info("applied FSDP2 (zero 3) over dp=%d: %d blocks + %s as own units + root",
-                dp_mesh.size(), len(blocks), units)
-    return model

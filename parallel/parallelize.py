@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import ModelArgs
-from parallel.data_parallel import DataParallel, apply_fsdp
+from parallel.data_parallel import DataParallel
+from parallel.fully_sharded import apply_fsdp
 from parallel.layout import ParallelLayout
 from parallel.model import Transformer, init_weights
 from parallel.pipeline_parallel import build_stage_module, split_layers, stage_ids
