@@ -279,7 +279,10 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
     assert stragglers, "no straggler event for the slowed rank:\n" + "\n".join(
         json.dumps(e) for e in events if e["event"] not in ("step", "checkpoint"))
     assert {e["rank"] for e in stragglers} == {1}, stragglers
-    assert all(e["score"] < 0.8 and e["action"] == "alert" for e in stragglers)
+    # The score is the flagging window's: 1/1.5 ≈ 0.67 on average, but one window's score on 2
+    # shared cores scatters (a CI run once read 0.8+, which a bound of 0.8 failed); below the
+    # default threshold is what a flag means.
+    assert all(e["score"] < 0.9 and e["action"] == "alert" for e in stragglers), stragglers
 
 
 def test_evict_action_restarts_the_job_without_the_straggler_node(tmp_path: Path) -> None:
