@@ -168,9 +168,10 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     out["snapshot_copy_s"] = [e["seconds"] for e in job.of("snapshot") if "seconds" in e]
     out["shm_bytes_held"], out["world"] = held, spec.resources.world_size
     used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}  # agents replicate: their CPU counts
-    out["orchestration_cpu_s_per_step"] = sum(used.values()) / max(1, step1 - step0)
+    counted = max(1, step1 - step0)
+    out["orchestration_cpu_s_per_step"] = sum(used.values()) / counted
     out["orchestration_cpu_s_per_step_by_process"] = {
-        k: round(v / max(1, step1 - step0), 5) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
+        k: round(v / counted, 5) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
     return out
 
 

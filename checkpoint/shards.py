@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   SavePlan, SavePlanner, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from checkpoint.manifest import METADATA_NAME
 from checkpoint.metadata_codec import (FORMAT, MetadataFormatError, ShardLocation,
                                        decode_metadata, dtype_from_name, encode_metadata)
-from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)

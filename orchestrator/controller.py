@@ -14,7 +14,8 @@ observe (poll heartbeats, collect node probes; the ranks' records are accounted 
 `rank_records`), take one immutable `JobSnapshot`, ask `policies.decide` for a `Decision`, run
 its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the next
 poll, a request or a training process's end. The controller never decides by itself; PLACING's
-decision is the outcome of placing (a layout from `ScalingPolicy`, then start or a failure for `restart_or_fail`).
+decision is the outcome of placing (a layout from `ScalingPolicy`, then start, or a failure for
+`restart_or_fail`).
 Every state has a deadline from the spec (`states.DEADLINES`). Ranks resume from the newest
 committed checkpoint (resharded into the new layout) inside `run_rank`; since data order and
 init depend only on (seed, sample index, name), a resumed run reproduces the clean losses.

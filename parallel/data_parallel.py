@@ -20,9 +20,10 @@ says, on top of TP, with a memory ledger they can check. So:
   (m+1)(N-1)/N of the grad bytes for m micro-batches (m reduce-scatters + the all-gather).
   Pipeline schedules (overlap=False) run backward outside our loop: one reduce-scatter at the end.
 - zero 3 (parallel/fully_sharded.py): FSDP2 `fully_shard` per block, then the embedding, final
-  norm and head each as their own unit, then the root (which then owns no parameters). FSDP2 keeps the *root's* parameters
-  unsharded from forward to backward; giving embedding/norm/head their own units reshards them
-  after forward like every block, so every parameter is all-gathered twice per micro-batch.
+  norm and head each as their own unit, then the root (which then owns no parameters). FSDP2
+  keeps the *root's* parameters unsharded from forward to backward; giving embedding/norm/head
+  their own units reshards them after forward like every block, so every parameter is
+  all-gathered twice per micro-batch.
 
 All stages *average* gradients over the dp group; the trainer scales each rank's loss so that the
 average equals the gradient of the global-batch mean loss.

@@ -9,6 +9,7 @@ import io
 import multiprocessing as mp
 import os
 import traceback
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any, Callable
 
 from workers.launch import free_port, join_process_group, leave_process_group
@@ -21,19 +22,33 @@ PRELOAD = ["torch", "torch.distributed", "pytest", "hypothesis", "tests.distribu
            "workers.launch", "workers.trainer", "parallel.parallelize", "checkpoint.manager"]
 
 
-def rank_context() -> Any:
+class CallerEnvProcess(ForkServerProcess):
+    """A process forked by the forkserver inherits the forkserver's environment, taken when it
+    started; a spawned one got its parent's at the call. Tests set variables per test, so carry
+    the caller's environment at construction and restore it before the target runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.caller_environ = dict(os.environ)
+
+    def run(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.caller_environ)
+        super().run()
+
+
+class RankContext(ForkServerContext):
+    Process = CallerEnvProcess
+
+
+_RANK_CONTEXT = RankContext()
+
+
+def rank_context() -> RankContext:
     """Where test ranks come from: a forkserver with torch preloaded (started on first use and
-    kept for the whole pytest process). Start ranks with `environ()` applied (see `_entry`)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def apply_environ(env: dict[str, str]) -> None:
-    """A forked rank inherits the forkserver's environment, taken when it started; a spawned
-    one got its parent's at the call. Restore the latter (tests set variables per test)."""
-    os.environ.clear()
-    os.environ.update(env)
+    kept for the whole pytest process), whose processes run with their caller's environment."""
+    _RANK_CONTEXT.set_forkserver_preload(PRELOAD)
+    return _RANK_CONTEXT
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
@@ -63,8 +78,7 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
-           queue: Any, env: dict[str, str]) -> None:
-    apply_environ(env)
+           queue: Any) -> None:
     try:
         init_gloo(rank, world, port)
         result = fn(rank, world, *args)
@@ -79,8 +93,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, env), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
