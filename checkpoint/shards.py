@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   SavePlan, SavePlanner, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from checkpoint.local_reads import LocalChunkReader
 from checkpoint.manifest import METADATA_NAME
 from checkpoint.metadata_codec import (FORMAT, MetadataFormatError, ShardLocation,
                                        decode_metadata, dtype_from_name, encode_metadata)
@@ -168,24 +168,58 @@ class RawReader(StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 raise ShardError(f"{req.storage_index.fqn!r}: byte entries are not supported")
             by_chunk.setdefault(req.storage_index, []).append(req)
+        if self.storage.is_local:
+            with LocalChunkReader(self.storage, self.version) as files:
+                for index, reqs in by_chunk.items():
+                    self._read_local(planner, files, index, reqs)
+        else:
+            self._read_windowed(planner, by_chunk)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_windowed(self, planner: LoadPlanner,
+                       by_chunk: dict[MetadataIndex, list[ReadItem]]) -> None:
         with ThreadPoolExecutor(max_workers=READ_WINDOW) as pool:
             window: deque = deque()
             for index, reqs in by_chunk.items():
                 window.append((reqs, pool.submit(self._read_rows, index, reqs)))
                 if len(window) >= READ_WINDOW:  # bound memory: consume before reading more
-                    self._install(planner, *window.popleft())
+                    reqs, fut = window.popleft()
+                    self._install(planner, reqs, *fut.result())
             while window:
-                self._install(planner, *window.popleft())
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+                reqs, fut = window.popleft()
+                self._install(planner, reqs, *fut.result())
 
-    def _read_rows(self, index: MetadataIndex, reqs: list[ReadItem]) -> tuple[int, torch.Tensor]:
-        """The rows [lo, hi) of the stored chunk that cover every request; returns (lo, rows)."""
+    def _read_local(self, planner: LoadPlanner, files: LocalChunkReader, index: MetadataIndex,
+                    reqs: list[ReadItem]) -> None:
+        """Pieces that are whole rows of the stored chunk are read straight into their
+        destination; the others are cut from the rows that cover them."""
+        loc = self._location(index)
+        rest = []
+        for req in reqs:
+            target = planner.resolve_tensor(req).detach()
+            start = _direct_offset(req, loc, target)
+            if start is None:
+                rest.append(req)
+                continue
+            if target.numel():
+                files.read_into(loc.file, start, byte_view(target))
+            planner.commit_tensor(req, target)
+        if rest:
+            self._install(planner, rest, *self._read_rows(index, rest, files))
+
+    def _location(self, index: MetadataIndex) -> ShardLocation:
         loc = self.storage_data.get(index)
         if loc is None:
             raise ShardError(f"{self.version}: no stored chunk for {index.fqn!r} at "
                              f"{tuple(index.offset or ())}")
+        return loc
+
+    def _read_rows(self, index: MetadataIndex, reqs: list[ReadItem],
+                   files: LocalChunkReader | None = None) -> tuple[int, torch.Tensor]:
+        """The rows [lo, hi) of the stored chunk that cover every request; returns (lo, rows)."""
+        loc = self._location(index)
         dtype, shape = dtype_from_name(loc.dtype), loc.shape
         if not shape:
             lo, hi, row_bytes = 0, 1, loc.length
@@ -196,7 +230,9 @@ class RawReader(StorageReader):
         out = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=dtype)
         rel = f"{self.version}/{loc.file}"
         start, end = loc.offset + lo * row_bytes, loc.offset + hi * row_bytes
-        if end > start:
+        if end > start and files is not None:
+            files.read_into(loc.file, start, byte_view(out))
+        elif end > start:
             data = self.storage.read_range(rel, start, end)
             if len(data) != end - start:
                 raise ShardError(f"{self.storage.url(rel)}: short read for {index.fqn!r} "
@@ -205,8 +241,7 @@ class RawReader(StorageReader):
         return lo, out
 
     @staticmethod
-    def _install(planner: LoadPlanner, reqs: list[ReadItem], fut: _ThreadFuture) -> None:
-        lo, rows = fut.result()
+    def _install(planner: LoadPlanner, reqs: list[ReadItem], lo: int, rows: torch.Tensor) -> None:
         for req in reqs:
             src = rows
             for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -217,3 +252,23 @@ class RawReader(StorageReader):
                                  f"does not fit destination {tuple(target.shape)}")
             target.copy_(src)
             planner.commit_tensor(req, target)
+
+
+def _direct_offset(req: ReadItem, loc: ShardLocation, target: torch.Tensor) -> int | None:
+    """Where in the file `req`'s bytes start when they are one contiguous range laid out exactly
+    as `target` (whole rows of the stored chunk, same dtype and shape, contiguous destination);
+    None when the piece must be cut from its rows instead."""
+    shape = tuple(loc.shape)
+    if (not target.is_contiguous() or target.dtype != dtype_from_name(loc.dtype)
+            or tuple(target.shape) != tuple(req.lengths)):
+        return None
+    if not shape:
+        return loc.offset
+    first, rows = req.storage_offsets[0], req.lengths[0]
+    if first < 0 or first + rows > shape[0]:
+        raise ShardError(f"{req.storage_index.fqn!r}: rows [{first}, {first + rows}) are outside "
+                         f"the stored chunk of {shape[0]} rows")
+    if any(off != 0 or n != full for off, n, full in
+           zip(req.storage_offsets[1:], req.lengths[1:], shape[1:])):
+        return None
+    return loc.offset + first * (loc.length // shape[0] if shape[0] else 0)
