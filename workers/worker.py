@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 # "ray": each forked child re-runs its parent's main script (Ray's default_worker.py, which
 # imports ray) as __mp_main__; with ray already imported that costs ~5 ms instead of ~0.5 s
 # on every (re)start — the largest single piece of a warm recovery before this was preloaded.
-# The checkpoint modules (torch.distributed.checkpoint under them) are another ~0.1 s each time.
+# The checkpoint modules (torch.distributed.checkpoint under them) are another ~0.1 s each time,
+# and this module (the child's entry point, unpickled by reference) 20 ms of every restart.
 PRELOAD = ["ray", "torch", "torch.distributed", "workers.launch", "workers.trainer",
            "parallel.parallelize", "checkpoint.manager", "checkpoint.snapshot",
-           "checkpoint.restore"]
+           "checkpoint.restore", "workers.worker"]
 
 
 @dataclass
