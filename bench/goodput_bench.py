@@ -24,9 +24,10 @@ what the snapshots buy (skip it with --no-off). The final losses must match.
 
 A short warm-up job runs first and is not measured: the first job of a Ray session gets its
 agents from the worker processes Ray prestarted at init (actor start 0.8 s vs 1.6 s for every
-later job), so the clean run, always first, started 1.2-2.7 s sooner than the faulted one in
+later job), and the clean run, always first, started 1.2-2.7 s sooner than the faulted one in
 most invocations: a bias against the faulted run of up to 0.05 on the ratios, unrelated to
-faults.
+faults. The warm-up removes that part; the faulted run still often starts later (bench/README,
+stop 25).
 """
 from __future__ import annotations
 
