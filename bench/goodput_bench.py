@@ -176,8 +176,9 @@ def main() -> int:
     add_source_rows(report, faulted)
     if off is not None:
         add_off_rows(report, clean, off)
-    report.context = {"quick": args.quick, "warm_up_wall_s": warm_up["wall_s"], "clean": clean, "faulted": faulted, "off": off,
-                      "model": MODEL, "load_avg": os.getloadavg()}
+    report.context = {"quick": args.quick, "warm_up_wall_s": warm_up["wall_s"], "clean": clean,
+                      "faulted": faulted, "off": off, "model": MODEL,
+                      "load_avg": os.getloadavg()}
     report.finish(args.json_path)
     runs = [warm_up, clean, faulted] + ([off] if off else [])
     return 0 if all(r["state"] == "SUCCEEDED" for r in runs) else 1

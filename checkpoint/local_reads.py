@@ -7,17 +7,18 @@ and copied again into its destination, on a thread per chunk — ~0.13 s of a re
 destination itself when the piece is one contiguous range of the file (every same-layout load,
 and dim-0 resharding), so the kernel's copy is the only one.
 
-Paths are resolved through `Storage.local_path`, so a name from `.metadata` cannot leave the
-checkpoint root. Like every sync filesystem, a local read has no deadline (see `Storage`).
+Files are opened through `Storage.open_read`, so a name from `.metadata` cannot leave the
+checkpoint root and a missing file is the usual StorageNotFoundError. Like every sync
+filesystem, a local read has no deadline (see `Storage`).
 """
 from __future__ import annotations
 
 import logging
 import os
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
-from checkpoint.storage import Storage, StorageError, StorageNotFoundError
+from checkpoint.storage import Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class LocalChunkReader:
 
     def __init__(self, storage: Storage, version: str) -> None:
         self.storage, self.version = storage, version
-        self.fds: dict[str, int] = {}
+        self.files: dict[str, IO[bytes]] = {}
 
     def __enter__(self) -> "LocalChunkReader":
         return self
@@ -38,36 +39,24 @@ class LocalChunkReader:
         self.close()
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def _fd(self, file: str) -> int:
-        fd = self.fds.get(file)
-        if fd is None:
-            rel = f"{self.version}/{file}"
-            try:
-                fd = os.open(self.storage.local_path(rel), os.O_RDONLY)
-            except FileNotFoundError as exc:
-                raise StorageNotFoundError(f"read {self.storage.url(rel)}: not found") from exc
-            except OSError as exc:
-                raise StorageError(f"read {self.storage.url(rel)} failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            self.fds[file] = fd
-        return fd
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
 
     def read_into(self, file: str, offset: int, out: Any) -> None:
         """Fill the writable buffer `out` (e.g. a uint8 numpy view of a tensor) with the bytes
         of `file` from `offset`; StorageError on a short file or a failed read."""
-        view = memoryview(out).cast("B")
-        fd, done = self._fd(file), 0
+        rel = f"{self.version}/{file}"
+        if file not in self.files:
+            self.files[file] = self.storage.open_read(rel)
+        fd, view, done = self.files[file].fileno(), memoryview(out).cast("B"), 0
         while done < len(view):
             try:
                 n = os.preadv(fd, [view[done:]], offset + done)
             except OSError as exc:
-                raise StorageError(f"read {self.storage.url(f'{self.version}/{file}')} failed: "
+                raise StorageError(f"read {self.storage.url(rel)} failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
             if n == 0:
-                raise StorageError(f"{self.storage.url(f'{self.version}/{file}')}: short read "
+                raise StorageError(f"{self.storage.url(rel)}: short read "
                                    f"({done} of {len(view)} bytes from offset {offset})")
             done += n

@@ -226,7 +226,7 @@ class RawReader(StorageReader):
         else:
             lo = min(r.storage_offsets[0] for r in reqs)
             hi = max(r.storage_offsets[0] + r.lengths[0] for r in reqs)
-            row_bytes = loc.length // shape[0] if shape[0] else 0
+            row_bytes = _row_bytes(loc)
         out = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=dtype)
         rel = f"{self.version}/{loc.file}"
         start, end = loc.offset + lo * row_bytes, loc.offset + hi * row_bytes
@@ -271,4 +271,9 @@ def _direct_offset(req: ReadItem, loc: ShardLocation, target: torch.Tensor) -> i
     if any(off != 0 or n != full for off, n, full in
            zip(req.storage_offsets[1:], req.lengths[1:], shape[1:])):
         return None
-    return loc.offset + first * (loc.length // shape[0] if shape[0] else 0)
+    return loc.offset + first * _row_bytes(loc)
+
+
+def _row_bytes(loc: ShardLocation) -> int:
+    """Bytes of one dim-0 row of a stored chunk (of a non-scalar shape)."""
+    return loc.length // loc.shape[0] if loc.shape[0] else 0
