@@ -197,6 +197,29 @@ class SnapshotDir:
             overwrite(os.path.join(partial, _safe_name(name)), [memoryview(data).cast("B")])
         self.publish(partial, stamp)
 
+    def receive(self, partial: str, stamp: SnapshotStamp,
+                fill: Callable[[str, memoryview], None]) -> None:
+        """Fill a `.partial` directory (from `begin`) with bytes that arrive from elsewhere:
+        `fill(name, view)` fills each file's mapped pages, in name order (a reused buffer of
+        the same size keeps its pages); each file must match the stamp's crc32c. The caller
+        publishes."""
+        for name in sorted(stamp.files):
+            size, crc = stamp.files[name]
+            try:
+                fd = os.open(os.path.join(partial, _safe_name(name)), os.O_RDWR | os.O_CREAT,
+                             0o600)
+            except OSError as exc:  # e.g. the job ended and its directory went
+                raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name}: "
+                                    f"{exc}") from None
+            try:
+                os.ftruncate(fd, size)
+                got = _fill_mapped(fd, size, name, fill)
+            finally:
+                os.close(fd)
+            if got != crc:
+                raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name} "
+                                    f"arrived damaged (checksum mismatch)")
+
     def prune(self, generation: int) -> None:
         """Keep each series' newest `keep` complete snapshots (by write time); drop the
         series of generations before g-1 (a recovery may still need g-1's newest step)."""
@@ -298,6 +321,21 @@ class SnapshotDir:
                                     f"(checksum mismatch)")
         return stamp, views
 
+    def paths(self, generation: int, rank: int, step: int) -> tuple[SnapshotStamp, dict[str, str]]:
+        """The stamp and the path of every file of a complete snapshot, sizes checked (what a
+        replica is streamed from; the receiver checks the checksums)."""
+        stamp, path = self._stamped(generation, rank, step)
+        out = {}
+        for name, (size, _) in stamp.files.items():
+            out[name] = os.path.join(path, _safe_name(name))
+            try:
+                actual = os.stat(out[name]).st_size
+            except OSError as exc:
+                raise SnapshotError(f"snapshot {path}: {name}: {exc}") from None
+            if actual != size:
+                raise SnapshotError(f"snapshot {path}: {name} is not {size} bytes")
+        return stamp, out
+
     def read(self, generation: int, rank: int, step: int) -> tuple[SnapshotStamp, dict[str, bytes]]:
         """The snapshot's stamp and files, each checked against the stamp's size and crc32c."""
         stamp, path = self._stamped(generation, rank, step)
@@ -313,6 +351,20 @@ class SnapshotDir:
                                     f"({len(data)} of {size} bytes, checksum mismatch)")
             files[name] = data
         return stamp, files
+
+
+def _fill_mapped(fd: int, size: int, name: str, fill: Callable[[str, memoryview], None]) -> int:
+    """`fill` the file's first `size` bytes through a shared mapping; their crc32c."""
+    if not size:
+        fill(name, memoryview(bytearray()))
+        return 0
+    with mmap.mmap(fd, size) as mapped:
+        view = memoryview(mapped)
+        try:
+            fill(name, view)
+            return crc32c_of([view])
+        finally:
+            view.release()
 
 
 if "crc32c" not in checksum_algorithms():  # pragma: no cover - crc32c is a dependency

@@ -187,10 +187,14 @@ def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_comp
     survivor = SnapshotKeeper()  # the agent holding ranks 2 and 3's replicas (one per slot here)
     survivor.configure("mid-send", 0, None, 1)
     data = {"s.distcp": b"y" * 64}
+
+    def fill(name: str, view: memoryview) -> None:
+        view[:] = data[name]
+
     for rank, steps in ((2, (11, 12)), (3, (11,))):
         for step in steps:
-            stamp = SnapshotStamp(1, rank, 4, step, {n: [len(d), 0] for n, d in data.items()}, COMMIT)
-            survivor.hold_replica(stamp.to_json(), data)
+            stamp = SnapshotStamp(1, rank, 4, step, _stamp(step, data).files, COMMIT)
+            survivor.land_replica(stamp, fill)
     held = [SnapshotPiece(5, h["kind"], h["generation"], h["rank"], h["world"], h["step"])
             for h in survivor.inventory()]
     local = [SnapshotPiece(r, "local", 1, r, 4, s) for r in (0, 1) for s in (11, 12)]

@@ -3,7 +3,8 @@
 The rank's training process writes a snapshot every step into this agent's directory
 (checkpoint/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
 to its peer (the agent one node further along the ring) and holds the replica the peer of the
-previous node sends here. The controller asks every live agent what it holds
+previous node sends here (workers/replica_stream.py: a direct TCP stream between the two
+agents, not Ray's object store). The controller asks every live agent what it holds
 (`inventory`), has the chosen pieces verified where they lie (`locate`, to be linked by an
 agent on the same node) or read (`read`, checksummed), assembled on each new node
 (`assemble`), and drops the job's snapshots when the job ends.
@@ -23,10 +24,12 @@ from typing import Any
 
 from checkpoint.restore import assemble_version
 from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, snapshot_root
+from workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
 logger = logging.getLogger(__name__)
 
 REPLICA_TIMEOUT_S = 120.0
+ENDPOINT_TIMEOUT_S = 30.0
 KINDS = ("local", "replica")
 
 
@@ -42,6 +45,10 @@ class SnapshotKeeper:
         self._wanted: tuple[int, int, int] | None = None
         self._busy = False
         self.replicated, self.replica_errors = 0, 0
+        self._receiver: ReplicaReceiver | None = None
+        self._peer_endpoint: tuple[Any, Endpoint] | None = None  # (peer handle, its endpoint)
+        self._landing: set[tuple[int, int]] = set()  # series a replica is arriving into
+        self._epoch = 0  # bumped by drop_job: a replica arriving across it is not published
 
     def configure(self, job_id: str, rank: int, peer: Any, generation: int) -> None:
         """A new training process: its job, rank, generation, and who holds its replica."""
@@ -87,8 +94,6 @@ class SnapshotKeeper:
         threading.Thread(target=self._send_loop, daemon=True, name="tenax-replicate").start()
 
     def _send_loop(self) -> None:
-        import ray
-
         while True:
             with self._lock:
                 wanted, peer, self._wanted = self._wanted, self.peer, None
@@ -96,13 +101,12 @@ class SnapshotKeeper:
                     self._busy = False
                     return
             try:
-                stamp, files = self._dir("local").mapped(*wanted)
-                ref = peer.hold_replica.remote(stamp.to_json(), files)
-                del files  # copied into the object store by .remote(): unmap
-                ray.get(ref, timeout=REPLICA_TIMEOUT_S)
+                stamp, paths = self._dir("local").paths(*wanted)
+                send_snapshot(self._endpoint_of(peer), stamp, paths, REPLICA_TIMEOUT_S)
                 self.replicated += 1
             except Exception as exc:  # the peer may be gone; the local copy still serves
                 self.replica_errors += 1
+                self._peer_endpoint = None  # ask again: the peer may be a new agent by then
                 logger.warning("replica of rank %d step %d not sent: %s", wanted[1], wanted[2],
                                f"{type(exc).__name__}: {str(exc)[:200]}")
             try:  # sent or given up: either way the rank may take its next snapshot
@@ -110,12 +114,44 @@ class SnapshotKeeper:
             except (OSError, SnapshotError) as exc:
                 logger.warning("cannot record the replica of step %d: %s", wanted[2], exc)
 
-    def hold_replica(self, stamp_json: str, files: dict[str, Any]) -> int:
-        stamp = SnapshotStamp.from_json(stamp_json)
-        with self._lock:  # never after drop_job: the job's directory must stay gone
+    def _endpoint_of(self, peer: Any) -> Endpoint:
+        import ray
+
+        cached = self._peer_endpoint
+        if cached is None or cached[0] is not peer:  # a restart may have named another peer
+            cached = (peer, ray.get(peer.replica_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S))
+            self._peer_endpoint = cached
+        return cached[1]
+
+    def endpoint(self, host: str) -> Endpoint:
+        """Where peers stream replicas to this agent (listening from the first call on)."""
+        with self._lock:
+            if self._receiver is None:
+                self._receiver = ReplicaReceiver(host, self.land_replica)
+            return self._receiver.endpoint
+
+    def land_replica(self, stamp: SnapshotStamp, fill: Fill) -> int:
+        """Receive a peer's snapshot into a replica buffer and publish it once whole. Only the
+        bookkeeping holds the lock, not the transfer: the job's end (drop_job) never waits
+        for a slow link, and a replica arriving across it is not published."""
+        series = (stamp.generation, stamp.rank)
+        with self._lock:
             if not self.job_id:
                 raise SnapshotError("this agent holds no job (not started, or ended)")
-            self._dir("replica").write(stamp, files)
+            if series in self._landing:  # a retry while the last send still arrives
+                raise SnapshotError(f"a replica of rank {stamp.rank} is already arriving")
+            replicas, epoch = self._dir("replica"), self._epoch
+            partial = replicas.begin(stamp.generation, stamp.rank, stamp.step)
+            self._landing.add(series)
+        try:
+            replicas.receive(partial, stamp, fill)
+            with self._lock:
+                if self._epoch != epoch:
+                    raise SnapshotError("the job ended while its replica arrived")
+                replicas.publish(partial, stamp)
+        finally:
+            with self._lock:
+                self._landing.discard(series)
         return stamp.step
 
     # ---- what the controller asks ----------------------------------------------------------
@@ -185,5 +221,9 @@ class SnapshotKeeper:
         with self._lock:
             job, root = self.job_id, self.job_root
             self.job_id, self.peer, self._wanted = "", None, None
+            self._epoch += 1
+            receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
         if job:
             shutil.rmtree(root, ignore_errors=True)

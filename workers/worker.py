@@ -281,8 +281,9 @@ class RankWorker:
     def locate_snapshot(self, generation: int, rank: int, step: int) -> dict[str, str]:
         return self.snapshots.locate(generation, rank, step)
 
-    def hold_replica(self, stamp_json: str, files: dict[str, Any]) -> int:
-        return self.snapshots.hold_replica(stamp_json, files)
+    def replica_endpoint(self) -> Any:
+        """Where the peer's agent streams its rank's snapshots to this one."""
+        return self.snapshots.endpoint(self._node_ip())
 
     def assemble_restore(self, job_id: str, generation: int, key: str, *pieces: Any) -> str:
         return self.snapshots.assemble(job_id, generation, key, list(pieces))

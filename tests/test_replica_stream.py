@@ -1,0 +1,130 @@
+"""Replicas streamed agent to agent: whole and checksummed, or not published at all."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+
+import pytest
+
+from checkpoint.snapshot_store import SNAPSHOT_ENV, SnapshotDir, SnapshotError, SnapshotStamp, \
+    crc32c_of
+from workers.replica_stream import MAGIC, Endpoint, send_snapshot
+from workers.snapshot_keeper import SnapshotKeeper
+
+pytestmark = pytest.mark.timeout(120)
+
+COMMIT = {"layout": {"dp": 2}, "model_hash": "h", "data_cursor": 8, "seed": 0, "lr_step": 3,
+          "extra": {"format": "tenax-raw-2"}}
+RANK, GEN = 1, 4
+
+
+def _files(step: int) -> dict[str, bytes]:
+    """A shard that is not a whole number of pages, metadata, and an empty file."""
+    shard = bytes((step * 7 + i) % 251 for i in range(3 * 4096 + 123))
+    return {"__1_0.distcp": shard, ".metadata": f"meta {step}".encode(), "empty": b""}
+
+
+def _stamp(step: int, files: dict[str, bytes]) -> SnapshotStamp:
+    return SnapshotStamp(GEN, RANK, 2, step, {n: [len(d), crc32c_of([d])] for n, d in files.items()},
+                         COMMIT)
+
+
+@pytest.fixture
+def pair(tmp_path, monkeypatch):
+    """A sender's local snapshot directory and a receiving agent's keeper with its endpoint."""
+    monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path / "shm"))
+    receiver = SnapshotKeeper()
+    receiver.configure("stream-job", 0, None, GEN)
+    local = SnapshotDir(str(tmp_path / "sender"))
+
+    def send(step: int, files: dict[str, bytes] | None = None,
+             stamp: SnapshotStamp | None = None, endpoint: Endpoint | None = None) -> int:
+        files = files or _files(step)
+        stamp = stamp or _stamp(step, files)
+        local.write(stamp, files)
+        _, paths = local.paths(GEN, RANK, step)
+        return send_snapshot(endpoint or receiver.endpoint("127.0.0.1"), stamp, paths, 10.0)
+
+    yield receiver, send
+    receiver.drop_job()
+
+
+def _held(keeper: SnapshotKeeper) -> set[int]:
+    return {h["step"] for h in keeper.inventory() if h["kind"] == "replica"}
+
+
+def test_streamed_replicas_arrive_whole_and_rewrite_the_oldest_buffer(pair):
+    receiver, send = pair
+    for step in (11, 12, 13):  # the third is written over the first one's pages
+        assert send(step) == step
+    assert _held(receiver) == {12, 13}
+    for step in (12, 13):
+        stamp_json, files = receiver.read("replica", GEN, RANK, step)  # checksums verified
+        assert SnapshotStamp.from_json(stamp_json).commit == COMMIT
+        assert {n: bytes(v) for n, v in files.items()} == _files(step)
+
+
+def test_a_sender_without_the_token_lands_nothing(pair):
+    receiver, send = pair
+    real = receiver.endpoint("127.0.0.1")
+    with pytest.raises(SnapshotError, match="wrong token"):
+        send(11, endpoint=Endpoint(real.host, real.port, "0" * 32))
+    assert _held(receiver) == set()
+
+
+def test_bytes_damaged_in_transit_are_refused_and_the_last_replica_stays(pair):
+    receiver, send = pair
+    send(11)
+    files = _files(12)
+    stamp = _stamp(12, {**files, "__1_0.distcp": b"\0" + files["__1_0.distcp"][1:]})
+    with pytest.raises(SnapshotError, match="damaged"):
+        send(12, files, stamp)
+    assert _held(receiver) == {11}
+    assert send(12) == 12  # the refused buffer serves again
+    assert _held(receiver) == {11, 12}
+
+
+def test_a_sender_that_dies_mid_stream_leaves_nothing_visible(pair):
+    receiver, send = pair
+    send(11)
+    endpoint, files = receiver.endpoint("127.0.0.1"), _files(12)
+    header = json.dumps({"token": endpoint.token, "stamp": _stamp(12, files).to_json()}).encode()
+    with socket.create_connection((endpoint.host, endpoint.port), timeout=10) as sock:
+        sock.sendall(MAGIC + struct.pack(">I", len(header)) + header)
+        assert sock.recv(2) == b"GO"
+        sock.sendall(files[".metadata"] + files["__1_0.distcp"][:5000])  # then it dies
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(2) == b"NO"  # the receiver saw the stream end short
+    assert _held(receiver) == {11}
+    assert send(12) == 12
+
+
+def test_garbage_on_the_port_is_refused(pair):
+    receiver, _ = pair
+    endpoint = receiver.endpoint("127.0.0.1")
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", MAGIC + struct.pack(">I", 1 << 30)):
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=10) as sock:
+            sock.sendall(junk)
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(2) == b"NO"
+    assert _held(receiver) == set()
+
+
+def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
+    keeper = SnapshotKeeper()
+    keeper.configure("ending", 0, None, GEN)
+    files = _files(11)
+
+    def fill(name: str, view: memoryview) -> None:
+        view[:] = files[name]
+        if name == last:  # the controller ends the job while the bytes arrive
+            keeper.drop_job()
+
+    for last in (".metadata", "empty"):  # a file still to come / all arrived, not published
+        keeper.configure("ending", 0, None, GEN)
+        with pytest.raises(SnapshotError, match="ended|No such file"):
+            keeper.land_replica(_stamp(11, files), fill)
+        assert not os.path.exists(keeper.job_root) and keeper.inventory() == []
