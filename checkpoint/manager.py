@@ -73,7 +73,7 @@ from checkpoint.catalog import Catalog, CatalogError, spec_hash, version_name
 from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
                                StateProviderError)
 from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
-from checkpoint.planning import PlanCache, all_ranks_agree, dist_on, plan_save
+from checkpoint.planning import SavePlans, all_ranks_agree, dist_on
 from checkpoint.shards import byte_view
 from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
                               describe_error, manifest_fields)
@@ -119,7 +119,7 @@ class CheckpointManager:
         self.model_hash = spec_hash(spec.model)
         self.mode = self._pick_writer(writer)
         self._flight: Flight | None = None
-        self._plan_cache: PlanCache | None = None
+        self.plans = SavePlans()  # shared with this rank's in-memory snapshots
         self._last_attempt: int | None = None
         self._protect: set[int] = set()
         self._events: list[dict[str, Any]] = []
@@ -228,10 +228,8 @@ class CheckpointManager:
     def _plan(self, step: int, started: float,
               started_wall: float) -> tuple[SaveJob, list] | None:
         try:
-            planned, self._plan_cache = plan_save(self.state, self.rank, self._plan_cache,
-                                                  self._agree)
+            planned = self.plans.plan(self.state, self.rank, self._agree)
         except _SAVE_ERRORS as exc:
-            self._plan_cache = None
             self._record(failed_event(step, f"planning failed: {describe_error(exc)}",
                                       self.rank))
             return None

@@ -116,6 +116,29 @@ def plan_save(provider: Any, rank: int, cache: PlanCache | None,
     return planned, cache
 
 
+class SavePlans:
+    """One rank's cached save plan, shared by everything that saves the same state.
+
+    Why shared: storage checkpoints and in-memory snapshots plan the same tensors of the same
+    provider into the same global plan, so whichever of them runs first after a (re)start
+    plans from scratch (~0.1 s of collective DCP planning on 2 gloo ranks, measured) and the
+    other reuses that plan; with one cache each, the first storage save after every restart
+    planned again. Both plan on the training thread at the same step boundaries on every
+    rank, never concurrently."""
+
+    def __init__(self) -> None:
+        self.cache: PlanCache | None = None
+
+    def plan(self, provider: Any, rank: int, agree: Callable[[bool], bool]) -> PlannedSave:
+        """`plan_save` with the shared cache (collective); a failure drops the cache."""
+        try:
+            planned, self.cache = plan_save(provider, rank, self.cache, agree)
+        except BaseException:
+            self.cache = None
+            raise
+        return planned
+
+
 def _plan_from_state(provider: Any, rank: int, cache: PlanCache | None,
                      agree: Callable[[bool], bool]) -> tuple[PlannedSave, PlanCache]:
     plain, pieces = _state_of(provider)

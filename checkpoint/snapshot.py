@@ -28,7 +28,7 @@ import torch
 
 from checkpoint.catalog import spec_hash
 from checkpoint.manifest import METADATA_NAME
-from checkpoint.planning import PlanCache, plan_save
+from checkpoint.planning import SavePlans
 from checkpoint.shards import byte_view
 from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
 from checkpoint.state import manifest_fields
@@ -45,14 +45,16 @@ class MemorySnapshotter:
     def __init__(self, spec: Any, state: Any, rank: int, world: int, root: str,
                  generation: int, agree: Callable[[bool], bool],
                  on_done: Callable[[dict[str, Any]], None] | None = None,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, plans: SavePlans | None = None) -> None:
+        """`plans`: the storage checkpoints' plan of the same state (the manager's `plans`),
+        so that whichever of the two saves first after a (re)start plans for both."""
         self.spec, self.state, self.rank, self.world = spec, state, rank, world
         self.store, self.generation = SnapshotDir(root), generation
         self.agree, self.on_done, self.replicated = agree, on_done, replicated
         self.every = spec.checkpoint.memory_every_steps
         self.model_hash = spec_hash(spec.model)
         self.skipped = 0
-        self._cache: PlanCache | None = None
+        self.plans = plans or SavePlans()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None  # one copying thread, started once
         self._finished: threading.Event | None = None  # the snapshot in flight is done
@@ -73,9 +75,9 @@ class MemorySnapshotter:
                         self.rank, step)
             return
         try:
-            planned, self._cache = plan_save(self.state, self.rank, self._cache, self.agree)
+            planned = self.plans.plan(self.state, self.rank, self.agree)
         except Exception as exc:  # a snapshot is an optimisation: never stop training for it
-            self._cache, self.failed = None, self.failed + 1
+            self.failed += 1
             logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
             return
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]

@@ -7,8 +7,9 @@ from tests.ckpt_jobs import ckpt_spec, full_state
 
 
 def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
-    """dp2 ZeRO-1: one step, then a storage save and an in-memory snapshot of step 1; two more
-    steps change every tensor while both copy. Returns the full state at step 1 (rank 0)."""
+    """dp2 ZeRO-1: one step, then a storage save and an in-memory snapshot of step 1 (sharing
+    one plan, as in training); two more steps change every tensor while both copy. Returns the
+    full state at step 1 (rank 0) and how many times the state was enumerated for a plan."""
     from checkpoint.manager import CheckpointManager
     from checkpoint.planning import all_ranks_agree
     from checkpoint.snapshot import MemorySnapshotter
@@ -20,16 +21,19 @@ def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     trainer.run_step()
     at_save = full_state(trainer)
     done: list[dict[str, Any]] = []
+    enumerated: list[int] = []
     with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        pieces_for_save = mgr.state.pieces_for_save
+        mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
         snaps = MemorySnapshotter(spec, mgr.state, rank, world, f"{root}/snap-{rank}", 7,
-                                  all_ranks_agree, done.append)
+                                  all_ranks_agree, done.append, plans=mgr.plans)
         mgr.save(1)
         snaps.snapshot(1)
         trainer.run_step()
         trainer.run_step()
         snaps.close()
         mgr.wait()
-    return {"at_save": at_save if rank == 0 else None, "done": done}
+    return {"at_save": at_save if rank == 0 else None, "done": done, "planned": len(enumerated)}
 
 
 def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> dict[str, Any]:

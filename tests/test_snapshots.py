@@ -122,6 +122,7 @@ def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
     root = str(tmp_path)
     saved = run_ranks(snapshot_and_save_job, 2, root)
     assert [d["step"] for d in saved[0]["done"]] == [1]
+    assert [r["planned"] for r in saved] == [1, 1]  # the snapshot took the save's plan
     pieces = [SnapshotDir(f"{root}/snap-{r}").read(7, r, 1) for r in range(2)]
     # Rank 1's piece is linked where it lies (what an agent on its node does), rank 0's written
     held = f"{root}/snap-1/g7-r1/s1"

@@ -202,7 +202,7 @@ def _snapshotter(spec: Any, mgr: Any, rank: int, world: int,
 
     return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
                              memory.generation, all_ranks_agree, memory.on_snapshot,
-                             memory.replicated)
+                             memory.replicated, plans=mgr.plans)
 
 
 def _resume(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
