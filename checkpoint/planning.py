@@ -14,6 +14,8 @@ with another world size would carry over.
 from __future__ import annotations
 
 import contextlib
+import logging
+import secrets
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -26,6 +28,8 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from checkpoint.pieces import PiecewiseSavePlanner
 from checkpoint.shards import DeferredWriter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class PlanCache:
     metadata_bytes: bytes | None
     fingerprint: tuple[Any, ...] | None = None  # the provider's state identity it was made for
     tensors: list[tuple[int, torch.Tensor]] | None = None  # what it resolved (live views)
+    token: int = 0  # shared by every rank's cache of one planning round (never 0 once planned)
 
 
 STEP_KEY = "optim.step"  # the one entry a save holds by copy, not as a view of live state
@@ -67,6 +72,20 @@ def max_across_ranks(value: int) -> int:
     flag = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def same_round(ok: bool, token: int) -> bool:
+    """True only if every rank says ok and passed the same `token` (one tiny all-reduce): every
+    rank's cached part then comes from one global plan, even where some were handed over from
+    a previous process (a rank's part of another round would write or skip the wrong chunks)."""
+    if not dist_on():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = torch.tensor([0 if ok else 1, token, -token], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    worst, high, low = (int(v) for v in flags.tolist())
+    return worst == 0 and high == -low != 0
 
 
 def all_ranks_agree(ok: bool) -> bool:
@@ -111,7 +130,7 @@ def plan_save(provider: Any, rank: int, cache: PlanCache | None,
         tensors = [(off, step if item.index.fqn == STEP_KEY else t)
                    for item, (off, t) in zip(cache.final_items, cache.tensors)]
         return PlannedSave(cache.file, tensors, cache.nbytes, cache.metadata_bytes, True), cache
-    planned, cache = _plan_from_state(provider, rank, cache, agree)
+    planned, cache = _plan_from_state(provider, rank, cache)
     cache.fingerprint, cache.tensors = fingerprint, planned.tensors
     return planned, cache
 
@@ -128,6 +147,14 @@ class SavePlans:
 
     def __init__(self) -> None:
         self.cache: PlanCache | None = None
+        # told each plan made from scratch (the agent keeps it for the next process)
+        self.on_new_plan: Callable[[PlanCache], None] | None = None
+
+    def adopt(self, cache: PlanCache) -> None:
+        """A plan this rank's previous process made (checkpoint/plan_codec.py): used for the
+        first save only if every rank's plan and round still match (`same_round`)."""
+        if self.cache is None:
+            self.cache = cache
 
     def plan(self, provider: Any, rank: int, agree: Callable[[bool], bool]) -> PlannedSave:
         """`plan_save` with the shared cache (collective); a failure drops the cache."""
@@ -136,11 +163,16 @@ class SavePlans:
         except BaseException:
             self.cache = None
             raise
+        if not planned.reused_plan and self.on_new_plan is not None:
+            try:
+                self.on_new_plan(self.cache)
+            except Exception as exc:  # handing it over is an optimisation
+                logger.warning("rank %d: the new save plan was not handed over: %s", rank, exc)
         return planned
 
 
-def _plan_from_state(provider: Any, rank: int, cache: PlanCache | None,
-                     agree: Callable[[bool], bool]) -> tuple[PlannedSave, PlanCache]:
+def _plan_from_state(provider: Any, rank: int,
+                     cache: PlanCache | None) -> tuple[PlannedSave, PlanCache]:
     plain, pieces = _state_of(provider)
 
     def planner() -> DefaultSavePlanner:
@@ -149,7 +181,8 @@ def _plan_from_state(provider: Any, rank: int, cache: PlanCache | None,
     local = planner()
     local.set_up_planner(state_dict=plain, storage_meta=None, is_coordinator=rank == 0)
     local_items = list(local.create_local_plan().items)
-    if agree(cache is not None and cache.local_items == local_items):
+    if same_round(cache is not None and cache.local_items == local_items,
+                  cache.token if cache is not None else 0):
         tensors = [(off, local.resolve_data(item).detach())
                    for item, off in zip(cache.final_items, cache.offsets)]
         return PlannedSave(cache.file, tensors, cache.nbytes, cache.metadata_bytes, True), cache
@@ -157,6 +190,7 @@ def _plan_from_state(provider: Any, rank: int, cache: PlanCache | None,
     with single_process_quiet():
         dcp.save(plain, storage_writer=writer, planner=planner(), no_dist=not dist_on())
     cache = PlanCache(local_items, writer.items, [off for off, _ in writer.tensors], writer.file,
-                      writer.total_bytes, writer.metadata_bytes)
+                      writer.total_bytes, writer.metadata_bytes,
+                      token=max_across_ranks(secrets.randbelow(1 << 62) + 1))
     return PlannedSave(writer.file, writer.tensors, writer.total_bytes, writer.metadata_bytes,
                        False), cache

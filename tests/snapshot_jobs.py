@@ -91,3 +91,40 @@ def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
             if _save_bytes(reused) != _save_bytes(fresh):
                 mismatches.append(step)
     return {"mismatches": mismatches, "fast": fast}
+
+
+def handed_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """A plan handed to a fresh SavePlans as a restarted process gets it from its agent (JSON,
+    checkpoint/plan_codec.py): reused, and byte for byte what a fresh plan writes; mixed with a
+    plan of another round on one rank, planned anew on every rank."""
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.plan_codec import decode_plan, encode_plan
+    from checkpoint.planning import SavePlans, all_ranks_agree, plan_save
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(f"file://{root}/storage")
+    trainer = Trainer(spec, ParallelLayout.from_dict(layout))
+    trainer.run_step()
+    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        blobs: list[str] = []
+        mgr.plans.on_new_plan = lambda cache: blobs.append(encode_plan(cache, rank, world))
+        mgr.plans.plan(mgr.state, rank, all_ranks_agree)  # from scratch: handed over
+        made = mgr.plans.cache
+        decoded = decode_plan(blobs[0], rank, world)
+        same = [getattr(decoded, f) == getattr(made, f) for f in
+                ("local_items", "final_items", "offsets", "file", "nbytes", "metadata_bytes",
+                 "token")]
+        trainer.run_step()
+        restarted = SavePlans()
+        restarted.adopt(decoded)
+        handed = restarted.plan(mgr.state, rank, all_ranks_agree)
+        fresh, other_round = plan_save(mgr.state, rank, None, all_ranks_agree)
+        mixed = SavePlans()
+        mixed.adopt(decode_plan(blobs[0], rank, world) if rank == 0 else other_round)
+        mixed_plan = mixed.plan(mgr.state, rank, all_ranks_agree)
+    return {"roundtrip": same, "blobs": len(blobs), "blob_bytes": len(blobs[0]),
+            "handed_reused": handed.reused_plan,
+            "handed_equal": _save_bytes(handed) == _save_bytes(fresh),
+            "mixed_reused": mixed_plan.reused_plan,
+            "mixed_equal": _save_bytes(mixed_plan) == _save_bytes(fresh)}

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import struct
+import time
 
 import pytest
 
@@ -128,3 +129,25 @@ def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypat
         with pytest.raises(SnapshotError, match="ended|No such file"):
             keeper.land_replica(_stamp(11, files), fill)
         assert not os.path.exists(keeper.job_root) and keeper.inventory() == []
+
+
+def test_connections_beyond_the_cap_are_closed_and_a_sender_gets_through_after(pair, monkeypatch):
+    from workers import replica_stream
+
+    monkeypatch.setattr(replica_stream, "MAX_CONNECTIONS", 2)
+    receiver, send = pair
+    endpoint = receiver.endpoint("127.0.0.1")
+    idle = [socket.create_connection((endpoint.host, endpoint.port), timeout=10) for _ in range(2)]
+    with socket.create_connection((endpoint.host, endpoint.port), timeout=10) as extra:
+        assert extra.recv(2) == b""  # closed without a word
+    for sock in idle:
+        sock.close()  # their threads end (a short stream) and give their slots back
+    deadline = time.monotonic() + 10
+    while True:  # until the receiver has seen them close
+        try:
+            assert send(11) == 11
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)

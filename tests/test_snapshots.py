@@ -13,7 +13,8 @@ from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp
 from checkpoint.storage import Storage
 from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
 from tests.distributed import rank_context, run_ranks
-from tests.snapshot_jobs import load_both_job, reused_plan_job, snapshot_and_save_job
+from tests.snapshot_jobs import (handed_plan_job, load_both_job, reused_plan_job,
+                                 snapshot_and_save_job)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -175,6 +176,29 @@ def test_a_reused_save_plan_writes_what_a_fresh_plan_writes(tmp_path, layout):
         # steps 2, 3 and 5 reused the plan and its views as they were (and 4 where the load
         # wrote into the live moments in place, as zero 0 does: the identity held)
         assert rank["fast"] >= 3
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"tp": 2}], ids=["zero1", "tp2"])
+def test_a_plan_handed_to_a_restarted_process_is_reused_only_from_one_round(tmp_path, layout):
+    out = run_ranks(handed_plan_job, 2, str(tmp_path), {**layout, "micro_batch_size": 1})
+    for rank in out:
+        assert all(rank["roundtrip"]) and rank["blobs"] == 1, rank
+        assert rank["handed_reused"] and rank["handed_equal"], rank
+        assert not rank["mixed_reused"] and rank["mixed_equal"], rank
+
+
+def test_a_handed_plan_of_another_rank_or_size_is_refused():
+    from checkpoint.plan_codec import PlanFormatError, decode_plan, encode_plan
+    from checkpoint.planning import PlanCache
+
+    blob = encode_plan(PlanCache([], [], [], "__1_0.distcp", 0, None, token=7), 1, 2)
+    assert decode_plan(blob, 1, 2).file == "__1_0.distcp"
+    for rank, world in ((0, 2), (1, 4)):
+        with pytest.raises(PlanFormatError, match="rank 1 of 2"):
+            decode_plan(blob, rank, world)
+    for junk in ("[]", "{}", blob.replace("tenax-save-plan-1", "x"), 7):
+        with pytest.raises(PlanFormatError):
+            decode_plan(junk, 1, 2)
 
 
 def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_complete_one(tmp_path,

@@ -28,8 +28,9 @@ import secrets
 import socket
 import struct
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from checkpoint.snapshot_store import SnapshotError, SnapshotStamp
 
@@ -39,6 +40,7 @@ MAGIC = b"TNXR1"
 MAX_HEADER_BYTES = 1 << 20
 IO_TIMEOUT_S = 30.0  # one stalled read or write: the sender is gone or the link is dead
 MAX_REASON_BYTES = 4096
+MAX_CONNECTIONS = 32  # at once; a peer sends one snapshot at a time, so more is not a peer
 
 # land(stamp, fill) receives one snapshot: fill(name, view) fills one file's bytes
 Fill = Callable[[str, memoryview], None]
@@ -63,6 +65,14 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+@contextmanager
+def _released(slots: threading.BoundedSemaphore) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        slots.release()
+
+
 class ReplicaReceiver:
     """Listens on the node's address; each connection is a thread that lands one snapshot."""
 
@@ -72,6 +82,7 @@ class ReplicaReceiver:
         self._server = socket.create_server((host, 0))
         self.endpoint = Endpoint(host, self._server.getsockname()[1], self.token)
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, daemon=True, name="tenax-replica-accept").start()
 
     def _accept(self) -> None:
@@ -80,11 +91,15 @@ class ReplicaReceiver:
                 conn, _ = self._server.accept()
             except OSError:  # closed
                 return
+            if not self._slots.acquire(blocking=False):
+                logger.warning("replica connection refused: %d already open", MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="tenax-replica-recv").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, _released(self._slots):
             conn.settimeout(IO_TIMEOUT_S)
             go = [b"GO"]  # sent before the first file's bytes are read
 

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # and this module (the child's entry point, unpickled by reference) 20 ms of every restart.
 PRELOAD = ["ray", "torch", "torch.distributed", "workers.launch", "workers.trainer",
            "parallel.parallelize", "checkpoint.manager", "checkpoint.snapshot",
-           "checkpoint.restore", "workers.worker"]
+           "checkpoint.restore", "checkpoint.plan_codec", "workers.worker"]
 
 
 @dataclass
@@ -76,7 +76,7 @@ class RankStatus:
 
 
 def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
-                replicated: bool) -> None:
+                replicated: bool, plan: str | None = None) -> None:
     """Entry point of the training process (runs in a forkserver child).
 
     `control` carries requests from the actor: "stop" = commit a checkpoint at the next step
@@ -110,7 +110,7 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
 
     memory = MemoryOptions(snapshot_dir, run.generation, run.restore_uri,
                            lambda event: send(("record", {**event, "rank": run.rank})),
-                           replicated)
+                           replicated, plan=plan, on_plan=lambda blob: send(("plan", blob)))
 
     def should_stop() -> bool:
         return bool(control.poll())
@@ -139,6 +139,7 @@ class RankWorker:
         self._ledger: Any = None
         self._control: Any = None
         self._attempt = 0
+        self._plan: str | None = None  # the newest save plan a training process handed over
         self.snapshots = SnapshotKeeper()
         # What the agent imported (ray, the snapshot code) lives as long as it does: a full
         # collection walks all of it whenever one falls due, a recovery's verification or
@@ -193,7 +194,8 @@ class RankWorker:
         # asks us to claim chaos events over the pipe instead.
         proc = self._ctx.Process(target=_child_main,
                                  args=(replace(run, ledger=None, peer=None), child, control_read,
-                                       self.snapshots.local_dir, run.peer is not None),
+                                       self.snapshots.local_dir, run.peer is not None,
+                                       self._plan),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
         child.close()
@@ -231,6 +233,8 @@ class RankWorker:
             conn.send(bool(ray.get(self._ledger.claim.remote(payload), timeout=30)))
         elif kind == "record":
             self._on_record(payload)
+        elif kind == "plan":
+            self._plan = payload
         elif kind == "done":
             self._set(state="done")
         elif kind == "stopped":
