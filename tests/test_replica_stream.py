@@ -52,6 +52,14 @@ def pair(tmp_path, monkeypatch):
     receiver.drop_job()
 
 
+def _wait(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
 def _held(keeper: SnapshotKeeper) -> set[int]:
     return {h["step"] for h in keeper.inventory() if h["kind"] == "replica"}
 
@@ -142,12 +150,31 @@ def test_connections_beyond_the_cap_are_closed_and_a_sender_gets_through_after(p
         assert extra.recv(2) == b""  # closed without a word
     for sock in idle:
         sock.close()  # their threads end (a short stream) and give their slots back
-    deadline = time.monotonic() + 10
-    while True:  # until the receiver has seen them close
-        try:
-            assert send(11) == 11
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    _wait(lambda: _sent(send, 11), "slot given back")  # once the receiver saw them close
+
+
+def _sent(send, step: int) -> bool:
+    try:
+        return send(step) == step
+    except OSError:
+        return False
+
+
+def test_a_send_to_a_stalled_peer_is_aborted_when_the_rank_restarts(tmp_path, monkeypatch):
+    """A frozen peer never reads: the send would hold for REPLICA_TIMEOUT_S and the new
+    process's snapshots would be skipped meanwhile. A restart (new generation) ends it."""
+    monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
+    stalled = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never reads
+    sender = SnapshotKeeper()
+    sender.configure("stall", 0, Endpoint("127.0.0.1", stalled.getsockname()[1], "t"), 1)
+    files = {"shard": bytes(48 << 20)}  # more than both sockets' buffers hold
+    local = SnapshotDir(sender.local_dir)
+    local.write(SnapshotStamp(1, 0, 2, 5, {"shard": [48 << 20, crc32c_of(files.values())]},
+                              COMMIT), files)
+    sender.replicate(1, 0, 5)
+    _wait(lambda: sender.sending, "the send to block")
+    sender.configure("stall", 0, None, 2)  # the rank restarted; its old peer is gone
+    _wait(lambda: local.sent_step(1, 0) == 5, "the aborted send to be given up")
+    assert sender.replica_errors == 1 and sender.replicated == 0
+    stalled.close()
+    sender.drop_job()

@@ -153,15 +153,19 @@ class ReplicaReceiver:
 
 
 def send_snapshot(endpoint: Endpoint, stamp: SnapshotStamp, paths: dict[str, str],
-                  timeout_s: float = IO_TIMEOUT_S) -> int:
+                  timeout_s: float = IO_TIMEOUT_S,
+                  on_connect: Callable[[socket.socket], None] | None = None) -> int:
     """Stream one complete snapshot's files to `endpoint`; the step the peer now holds.
-    SnapshotError when the peer refused it, OSError when the connection failed."""
+    SnapshotError when the peer refused it, OSError when the connection failed or was shut
+    down from another thread (`on_connect` is given the socket for that)."""
     header = json.dumps({"token": endpoint.token, "stamp": stamp.to_json()}).encode()
     family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
     with socket.socket(family) as sock:
         sock.settimeout(timeout_s)
         _widen(sock, socket.SO_SNDBUF, "wmem_max")
         sock.connect((endpoint.host, endpoint.port))
+        if on_connect is not None:
+            on_connect(sock)
         sock.sendall(MAGIC + struct.pack(">I", len(header)) + header)
         verdict = _verdict(sock)
         if verdict == b"GO":

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import uuid
 from typing import Any
@@ -37,6 +38,14 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:120] or "job"
 
 
+def _abort(sock: socket.socket) -> None:
+    """Make a send blocked on `sock` in another thread fail now."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
 class SnapshotKeeper:
     def __init__(self) -> None:
         self.slot = uuid.uuid4().hex[:12]
@@ -49,11 +58,21 @@ class SnapshotKeeper:
         self._peer_endpoint: tuple[Any, Endpoint] | None = None  # (peer handle, its endpoint)
         self._landing: set[tuple[int, int]] = set()  # series a replica is arriving into
         self._epoch = 0  # bumped by drop_job: a replica arriving across it is not published
+        self._stream: socket.socket | None = None  # the replica being sent, if any
 
     def configure(self, job_id: str, rank: int, peer: Any, generation: int) -> None:
-        """A new training process: its job, rank, generation, and who holds its replica."""
+        """A new training process: its job, rank, generation, and who holds its replica (an
+        agent's handle, or the `Endpoint` it listens on).
+
+        A send still in flight from the previous generation is aborted: its peer may be the
+        node just lost (a frozen one holds the send to its timeout, and until it ends the new
+        process's snapshots are skipped, paced to the replica), and the new process writes a
+        newer snapshot to send within a step."""
         with self._lock:
+            stale = self._stream if generation != self.generation else None
             self.job_id, self.rank, self.peer, self.generation = job_id, rank, peer, generation
+        if stale is not None:
+            _abort(stale)
         if job_id:
             os.makedirs(self.local_dir, exist_ok=True)
 
@@ -102,21 +121,40 @@ class SnapshotKeeper:
                     return
             try:
                 stamp, paths = self._dir("local").paths(*wanted)
-                send_snapshot(self._endpoint_of(peer), stamp, paths, REPLICA_TIMEOUT_S)
+                send_snapshot(self._endpoint_of(peer), stamp, paths, REPLICA_TIMEOUT_S,
+                              on_connect=lambda sock, g=wanted[0]: self._track(sock, g))
                 self.replicated += 1
             except Exception as exc:  # the peer may be gone; the local copy still serves
                 self.replica_errors += 1
                 self._peer_endpoint = None  # ask again: the peer may be a new agent by then
                 logger.warning("replica of rank %d step %d not sent: %s", wanted[1], wanted[2],
                                f"{type(exc).__name__}: {str(exc)[:200]}")
+            with self._lock:
+                self._stream = None
             try:  # sent or given up: either way the rank may take its next snapshot
                 self._dir("local").mark_sent(*wanted)
             except (OSError, SnapshotError) as exc:
                 logger.warning("cannot record the replica of step %d: %s", wanted[2], exc)
 
+    @property
+    def sending(self) -> bool:
+        """Whether a replica is on its way to the peer right now."""
+        return self._stream is not None
+
+    def _track(self, sock: socket.socket, generation: int) -> None:
+        """The send's connection is open: abortable by `configure` from now on (at once if
+        that already happened)."""
+        with self._lock:
+            current = generation == self.generation
+            self._stream = sock if current else None
+        if not current:
+            _abort(sock)
+
     def _endpoint_of(self, peer: Any) -> Endpoint:
         import ray
 
+        if isinstance(peer, Endpoint):
+            return peer
         cached = self._peer_endpoint
         if cached is None or cached[0] is not peer:  # a restart may have named another peer
             cached = (peer, ray.get(peer.replica_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S))
