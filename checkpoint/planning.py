@@ -63,12 +63,18 @@ def dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _collective_device() -> torch.device:
+    """Where a tiny collective's tensor must live: the current GPU under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def max_across_ranks(value: int) -> int:
     """The largest `value` any rank passed (one tiny all-reduce; `value` alone without a group)."""
     if not dist_on():
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     flag = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
@@ -80,8 +86,7 @@ def same_round(ok: bool, token: int) -> bool:
     a previous process (a rank's part of another round would write or skip the wrong chunks)."""
     if not dist_on():
         return ok
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     flags = torch.tensor([0 if ok else 1, token, -token], dtype=torch.int64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     worst, high, low = (int(v) for v in flags.tolist())
@@ -92,8 +97,7 @@ def all_ranks_agree(ok: bool) -> bool:
     """True only if every rank says ok (one tiny all-reduce; `ok` alone without a group)."""
     if not dist_on():
         return ok
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

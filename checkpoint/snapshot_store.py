@@ -190,8 +190,9 @@ class SnapshotDir:
         self.prune(stamp.generation)
 
     def write(self, stamp: SnapshotStamp, files: dict[str, Any]) -> None:
-        """Write a whole snapshot held in memory (a replica arriving from a peer; each file
-        bytes or a flat buffer such as a numpy array)."""
+        """Write a whole snapshot held in memory (each file bytes or a flat buffer such as a
+        numpy array). A peer's replica arrives through `receive` instead, straight off the
+        wire."""
         partial = self.begin(stamp.generation, stamp.rank, stamp.step)
         for name, data in files.items():
             overwrite(os.path.join(partial, _safe_name(name)), [memoryview(data).cast("B")])
@@ -298,12 +299,11 @@ class SnapshotDir:
                                 f"(generation {generation}) under {self.root}")
         return stamp, path
 
-    def mapped(self, generation: int, rank: int, step: int,
-               verify: bool = False) -> tuple[SnapshotStamp, dict[str, Any]]:
-        """The stamp and read-only numpy views of the files, mapped, not copied (what Ray
-        sends from: it copies each view once into its object store, where bytes would be
-        read, then pickled). Sizes are checked; checksums only with `verify` (a restore
-        verifies; a replica carries the stamp's checksums on to whoever restores from it)."""
+    def mapped(self, generation: int, rank: int, step: int) -> tuple[SnapshotStamp, dict[str, Any]]:
+        """The stamp and read-only numpy views of the files, mapped, not copied (what a
+        restore's piece is sent through Ray from: it copies each view once into its object
+        store, where bytes would be read, then pickled), each checked against the stamp's size
+        and crc32c."""
         stamp, path = self._stamped(generation, rank, step)
         views: dict[str, Any] = {}
         for name, (size, _) in stamp.files.items():
@@ -316,7 +316,7 @@ class SnapshotDir:
                         if size else np.zeros(0, dtype=np.uint8)
             except OSError as exc:
                 raise SnapshotError(f"snapshot {path}: {name}: {exc}") from None
-            if verify and crc32c_of([views[name]]) != stamp.files[name][1]:
+            if crc32c_of([views[name]]) != stamp.files[name][1]:
                 raise SnapshotError(f"snapshot {path}: {name} is torn or damaged "
                                     f"(checksum mismatch)")
         return stamp, views

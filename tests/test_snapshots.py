@@ -91,7 +91,7 @@ def test_a_new_snapshot_rewrites_an_old_buffer_and_the_newest_stays_complete(tmp
     replica.write(_stamp(3, {"shard": b"t" * 4096}), {"shard": b"t" * 4096})
     assert [s.step for s in replica.complete()] == [3] and _inode(replica, 3) == first
     assert sorted(os.listdir(os.path.join(replica.series(1, 0), "s3"))) == ["shard", "stamp.json"]
-    stamp, views = replica.mapped(1, 0, 3)  # what a replica is sent from: mapped, not copied
+    stamp, views = replica.mapped(1, 0, 3)  # what a restore's piece is sent from: mapped
     assert stamp.step == 3 and bytes(views["shard"]) == b"t" * 4096
 
 
