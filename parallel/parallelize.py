@@ -130,14 +130,18 @@ def _build_dps(pm: ParallelModel) -> list[DataParallel]:
 
 
 def parallelize(model_spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
-                device: torch.device, dtype: torch.dtype = torch.float32) -> ParallelModel:
+                device: torch.device, dtype: torch.dtype = torch.float32,
+                initialise: bool = True) -> ParallelModel:
+    """`initialise=False` leaves the parameters' memory as allocated (not initialised): for a
+    rank that loads every one of them next (`init_weights` later gives the same values)."""
     groups = build_groups(layout, mesh)
     pp_rank = layout.coords(dist.get_rank())["pp"]
     parts, ids = _build_parts(model_spec, layout, pp_rank)
     for part in parts:
         _wrap_part(part, model_spec, layout, mesh, groups)
         part.to_empty(device=device)
-        init_weights(part, seed)
+        if initialise:
+            init_weights(part, seed)
         if dtype != torch.float32:
             part.to(dtype=dtype)
     pm = ParallelModel(parts, ids, layout, mesh, groups)

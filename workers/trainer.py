@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel.data_parallel import local
 from parallel.layout import ParallelLayout
-from parallel.model import cross_entropy_sum
+from parallel.model import cross_entropy_sum, init_weights
 from parallel.parallelize import ParallelModel, parallelize
 from workers.data import TokenDataLoader
 from workers.spec import JobSpec
@@ -75,7 +75,10 @@ class Trainer:
     """Owns one rank's model, optimizer and data cursor; `train_step()` runs one optimizer step."""
 
     def __init__(self, spec: JobSpec, layout: ParallelLayout, optimizer: str = "adamw",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, initialise: bool = True) -> None:
+        """`initialise=False`: for a rank about to load a checkpoint, which overwrites every
+        parameter — the weights are initialised only by `initialise_weights()` (~45 ms per
+        restart saved here); until then they hold whatever the allocation held."""
         self.spec, self.layout = spec, layout
         model_args = spec.model.args()  # the engine takes its own plain config
         layout.validate(model_args, dist.get_world_size(), spec.train.global_batch_size)
@@ -83,7 +86,7 @@ class Trainer:
         self.mesh = layout.build_mesh(self.device.type)
         # Params stay fp32 (master weights); low precision comes from autocast on GPUs.
         self.pm: ParallelModel = parallelize(model_args, layout, self.mesh, spec.train.seed,
-                                             self.device)
+                                             self.device, initialise=initialise)
         self.parts = self.pm.parts
         self.optimizer = self._build_optimizer(optimizer)
         self.loader = TokenDataLoader.from_job_spec(spec)
@@ -103,6 +106,12 @@ class Trainer:
         # Called with (micro-batch index, is last) once the engine is ready for that
         # micro-batch: benches and tests read held memory there without patching the trainer.
         self.on_micro_batch: Callable[[int, bool], None] | None = None
+
+    def initialise_weights(self) -> None:
+        """The values `Trainer(initialise=True)` starts from: each a function of (seed, name)
+        alone, written in place, so ZeRO's shard views and FSDP's shards see them too."""
+        for part in self.parts:
+            init_weights(part, self.spec.train.seed)
 
     def _set_positions(self) -> None:
         s, cp = self.spec.model.seq_len, self.layout.cp
