@@ -50,3 +50,33 @@ def test_damage_in_one_ranks_share_makes_every_rank_fall_back(tmp_path: Path) ->
     assert catalog.check(2, share=(0, 2)).problems == []  # rank 0's share is intact
     assert catalog.check(2, share=(1, 2)).damaged
     assert run_ranks(save_and_load_job, 2, uri, "load") == [1, 1]
+
+
+def load_failing_on_rank_job(rank: int, world: int, uri: str, failing: int) -> str:
+    """Load with rank `failing`'s reads raising after the version was verified (storage lost
+    mid-restore); returns what the load said on this rank."""
+    from checkpoint.errors import CheckpointError
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.shards import RawReader
+    from checkpoint.storage import StorageError
+
+    def unreadable(*_: Any) -> None:
+        raise StorageError("injected: storage went away mid-read")
+
+    if rank == failing:
+        RawReader.read_data = unreadable  # this process only (a forked rank)
+    with CheckpointManager(ckpt_spec(uri), DictState(), rank, world, timeout_s=60) as mgr:
+        try:
+            return f"loaded step {mgr.load()}"
+        except CheckpointError as exc:
+            return str(exc)
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """Ranks plan and read their parts on their own: without the agreement after the reads,
+    rank 0 would report a good load and go on to train while rank 1 has no state."""
+    uri = f"file://{tmp_path}/ckpt"
+    run_ranks(save_and_load_job, 2, uri, "save")
+    said = run_ranks(load_failing_on_rank_job, 2, uri, 1)
+    assert "failed on another rank" in said[0], said
+    assert "injected: storage went away mid-read" in said[1], said
