@@ -47,6 +47,10 @@ STAMP_NAME = "stamp.json"
 SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
+# Mappings fault in every page at once instead of one fault per 4 KiB page as a socket fills
+# them or a checksum reads them: an 18 MiB replica cost ~30 -> ~20-25 ms of CPU on both ends
+# together here. Linux only; elsewhere the pages fault in as they are touched.
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SnapshotError(Exception):
@@ -312,7 +316,8 @@ class SnapshotDir:
                     if os.fstat(f.fileno()).st_size != size:
                         raise SnapshotError(f"snapshot {path}: {name} is not {size} bytes")
                     views[name] = np.frombuffer(
-                        mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ), dtype=np.uint8) \
+                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | POPULATE,
+                                  prot=mmap.PROT_READ), dtype=np.uint8) \
                         if size else np.zeros(0, dtype=np.uint8)
             except OSError as exc:
                 raise SnapshotError(f"snapshot {path}: {name}: {exc}") from None
@@ -358,7 +363,7 @@ def _fill_mapped(fd: int, size: int, name: str, fill: Callable[[str, memoryview]
     if not size:
         fill(name, memoryview(bytearray()))
         return 0
-    with mmap.mmap(fd, size) as mapped:
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE) as mapped:
         view = memoryview(mapped)
         try:
             fill(name, view)
