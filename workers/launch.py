@@ -145,11 +145,7 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
                 emit(stamp({**event, "rank": rank}))
 
     with CheckpointManager(spec, trainer, rank, world, storage_options=storage_options) as mgr:
-        if memory is not None:
-            _hand_over_plans(mgr.plans, memory, rank, world)
-        resumed, source = _resume(mgr, memory) if resume else (None, None)
-        if resume and resumed is None:  # nothing to resume from: a fresh start
-            trainer.initialise_weights()
+        resumed, source = _begin(mgr, trainer, memory, resume, rank, world)
         report(mgr.drain_events())
         snaps = _snapshotter(spec, mgr, rank, world, memory)
         if on_step is not None:
@@ -198,6 +194,18 @@ class MemoryOptions:
     replicated: bool = False  # the agent sends each snapshot to a peer node: pace to it
     plan: str | None = None  # this rank's save plan from its previous process (plan_codec)
     on_plan: Callable[[str], None] | None = None  # told each new save plan (the agent keeps it)
+
+
+def _begin(mgr: Any, trainer: Any, memory: MemoryOptions | None, resume: bool, rank: int,
+           world: int) -> tuple[int | None, str | None]:
+    """Take over the previous process's save plan, then resume; with nothing to resume from,
+    initialise the weights (a trainer built to resume is built without)."""
+    if memory is not None:
+        _hand_over_plans(mgr.plans, memory, rank, world)
+    resumed, source = _resume(mgr, memory) if resume else (None, None)
+    if resume and resumed is None:  # a fresh start
+        trainer.initialise_weights()
+    return resumed, source
 
 
 def _hand_over_plans(plans: Any, memory: MemoryOptions, rank: int, world: int) -> None:
