@@ -22,21 +22,26 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
+from checkpoint.buffer_maps import BufferMaps
 from checkpoint.catalog import spec_hash
 from checkpoint.manifest import METADATA_NAME
 from checkpoint.planning import SavePlans
 from checkpoint.shards import byte_view
 from checkpoint.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
 from checkpoint.state import manifest_fields
-from checkpoint.writer import WRITE_CHUNK, WRITER_NICE
+from checkpoint.writer import WRITER_NICE
 
 logger = logging.getLogger(__name__)
 
 FENCE_TIMEOUT_S = 120.0
+# Each piece is copied and then checksummed in chunks that fit a core's cache, so the checksum
+# reads them from cache instead of memory (18 MiB: 4.8 ms as two passes, 3.8 ms chunked).
+COPY_CHUNK = 256 << 10
 
 
 class MemorySnapshotter:
@@ -61,6 +66,8 @@ class MemorySnapshotter:
         self._fence: Any = None
         self.failed = 0
         self._newest: int | None = None  # the last step this process published
+        # The double buffer's mappings, kept between snapshots (checkpoint/buffer_maps.py)
+        self._maps = BufferMaps(limit=self.store.keep + 1)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -125,7 +132,7 @@ class MemorySnapshotter:
         try:
             files: dict[str, list[int]] = {}
             if file is not None:
-                files[file] = _write_pieces(os.path.join(partial, file), tensors)
+                files[file] = _write_pieces(self._maps, os.path.join(partial, file), tensors)
             done.set()  # the live tensors are copied: the optimizer may change them now
             if metadata is not None:
                 with open(os.path.join(partial, METADATA_NAME), "wb") as f:
@@ -170,26 +177,28 @@ class MemorySnapshotter:
             self._jobs.put(None)
             self._worker.join(FENCE_TIMEOUT_S)
             self._worker = None
+        self._maps.close()
 
 
-def _write_pieces(path: str, tensors: list[tuple[int, torch.Tensor]]) -> list[int]:
-    """Copy the tensors' bytes at their planned offsets; returns [bytes, crc32c]."""
-    crc = 0
-
-    def chunks() -> Iterator[memoryview]:
-        expected = 0
-        for offset, tensor in tensors:
-            if offset != expected:
-                raise OSError(f"{path}: piece at {offset}, expected {expected}")
-            view = memoryview(byte_view(tensor))
-            expected += len(view)
-            for start in range(0, len(view), WRITE_CHUNK):
-                yield view[start:start + WRITE_CHUNK]
-
-    def checksum(chunk: memoryview) -> None:
-        nonlocal crc
-        crc = crc32c_of([chunk], crc)
-
-    # Over the reused buffer's own tmpfs pages (see snapshot_store.overwrite)
-    written = overwrite(path, chunks(), checksum)
-    return [written, crc]
+def _write_pieces(maps: BufferMaps, path: str, tensors: list[tuple[int, torch.Tensor]]
+                  ) -> list[int]:
+    """Copy the tensors' bytes at their planned offsets into the buffer's mapping; returns
+    [bytes, crc32c]."""
+    sources, size = [], 0
+    for offset, tensor in tensors:
+        if offset != size:
+            raise OSError(f"{path}: piece at {offset}, expected {size}")
+        sources.append(byte_view(tensor))
+        size += sources[-1].nbytes
+    if not size:
+        return [overwrite(path, []), 0]
+    buffer = np.frombuffer(maps.mapping(path, size), dtype=np.uint8)
+    crc, offset = 0, 0
+    for source in sources:
+        for start in range(0, len(source), COPY_CHUNK):
+            chunk = source[start:start + COPY_CHUNK]
+            target = buffer[offset + start:offset + start + len(chunk)]
+            np.copyto(target, chunk)  # releases the GIL, as crc32c does
+            crc = crc32c_of([target], crc)
+        offset += len(source)
+    return [size, crc]

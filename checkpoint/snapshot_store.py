@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np  # at import, not at the first restore: importing it in an agent takes 0.2 s
 
+from checkpoint.buffer_maps import POPULATE, BufferMaps
 from checkpoint.storage import checksum_algorithms
 from checkpoint.writer import write_all
 
@@ -47,10 +48,6 @@ STAMP_NAME = "stamp.json"
 SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
-# Mappings fault in every page at once instead of one fault per 4 KiB page as a socket fills
-# them or a checksum reads them: an 18 MiB replica cost ~30 -> ~20-25 ms of CPU on both ends
-# together here. Linux only; elsewhere the pages fault in as they are touched.
-POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SnapshotError(Exception):
@@ -138,15 +135,16 @@ def _safe_name(name: str) -> str:
 class SnapshotDir:
     """The snapshots of one (generation, rank) series under `root`, newest `keep` kept."""
 
-    def __init__(self, root: str, keep: int = 2) -> None:
+    def __init__(self, root: str, keep: int = 2, maps: BufferMaps | None = None) -> None:
         """`keep` buffers per series. Once `keep` are held a new snapshot rewrites the oldest
         one's pages in place (rewriting tmpfs pages costs a fraction of allocating fresh
         ones). With keep 2 the newest stays complete while the other is rewritten; a replica
         (keep 2 as well, workers/snapshot_keeper.py) is rewritten only once its successor's
-        bytes are all on this node (a Ray call's arguments arrive before it runs)."""
+        bytes are all on this node. `maps`: the writer's mappings of those buffers, kept
+        between snapshots (buffer_maps.py); without, `receive` maps each file afresh."""
         if keep < 1:
             raise ValueError(f"keep: {keep} must be >= 1")
-        self.root, self.keep = root, keep
+        self.root, self.keep, self.maps = root, keep, maps
 
     def series(self, generation: int, rank: int) -> str:
         return os.path.join(self.root, f"g{generation}-r{rank}")
@@ -210,20 +208,35 @@ class SnapshotDir:
         publishes."""
         for name in sorted(stamp.files):
             size, crc = stamp.files[name]
+            path = os.path.join(partial, _safe_name(name))
             try:
-                fd = os.open(os.path.join(partial, _safe_name(name)), os.O_RDWR | os.O_CREAT,
-                             0o600)
+                got = self._fill(path, size, name, fill)
             except OSError as exc:  # e.g. the job ended and its directory went
                 raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name}: "
                                     f"{exc}") from None
-            try:
-                os.ftruncate(fd, size)
-                got = _fill_mapped(fd, size, name, fill)
-            finally:
-                os.close(fd)
             if got != crc:
                 raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name} "
                                     f"arrived damaged (checksum mismatch)")
+
+    def _fill(self, path: str, size: int, name: str, fill: Callable[[str, memoryview], None]
+              ) -> int:
+        """`fill` the file's `size` bytes through a shared mapping; their crc32c."""
+        if not size:
+            fill(name, memoryview(bytearray()))
+            overwrite(path, [])
+            return 0
+        # Without the writer's maps (None: an empty BufferMaps is falsy) mapped for this once
+        maps = self.maps if self.maps is not None else BufferMaps(limit=1)
+        try:
+            view = memoryview(maps.mapping(path, size))
+            try:
+                fill(name, view)
+                return crc32c_of([view])
+            finally:
+                view.release()
+        finally:
+            if maps is not self.maps:
+                maps.close()
 
     def prune(self, generation: int) -> None:
         """Keep each series' newest `keep` complete snapshots (by write time); drop the
@@ -356,20 +369,6 @@ class SnapshotDir:
                                     f"({len(data)} of {size} bytes, checksum mismatch)")
             files[name] = data
         return stamp, files
-
-
-def _fill_mapped(fd: int, size: int, name: str, fill: Callable[[str, memoryview], None]) -> int:
-    """`fill` the file's first `size` bytes through a shared mapping; their crc32c."""
-    if not size:
-        fill(name, memoryview(bytearray()))
-        return 0
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE) as mapped:
-        view = memoryview(mapped)
-        try:
-            fill(name, view)
-            return crc32c_of([view])
-        finally:
-            view.release()
 
 
 if "crc32c" not in checksum_algorithms():  # pragma: no cover - crc32c is a dependency

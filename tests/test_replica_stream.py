@@ -75,6 +75,27 @@ def test_streamed_replicas_arrive_whole_and_rewrite_the_oldest_buffer(pair):
         assert {n: bytes(v) for n, v in files.items()} == _files(step)
 
 
+def _mapped_under(root: str) -> list[str]:
+    """This process's mappings of files under `root` (/proc/self/maps: Linux)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if root in line]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_replica_buffers_stay_mapped_between_replicas_and_are_unmapped_when_the_job_ends(pair):
+    receiver, send = pair
+    for step in (11, 12, 13, 14):
+        send(step)
+    # two buffers of one file each with bytes (the empty file is never mapped)
+    mapped = _mapped_under(receiver.replica_dir)
+    assert len(mapped) == 4 and not any("(deleted)" in line for line in mapped), mapped
+    assert {n: bytes(v) for n, v in receiver.read("replica", GEN, RANK, 14)[1].items()} == \
+        _files(14)
+    root = receiver.job_root
+    receiver.drop_job()  # the files go: no mapping may keep their pages
+    assert _mapped_under(root) == []
+
+
 def test_a_sender_without_the_token_lands_nothing(pair):
     receiver, send = pair
     real = receiver.endpoint("127.0.0.1")

@@ -167,6 +167,33 @@ def test_snapshots_wait_for_the_replica_so_every_node_keeps_its_step(tmp_path):
     assert stamp.commit["lr_step"] == 5 and stamp.nbytes == sum(len(d) for d in files.values())
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_a_rank_maps_its_two_buffers_once_and_unmaps_them_at_close(tmp_path):
+    """The copying thread writes through mappings it keeps (checkpoint/buffer_maps.py): the
+    same two buffers step after step, nothing of a rewritten or closed one left mapped."""
+    from checkpoint.snapshot import MemorySnapshotter
+    from tests.ckpt_jobs import DictState, ckpt_spec
+
+    def mapped() -> list[str]:
+        with open("/proc/self/maps") as f:
+            return [line.split()[-1] for line in f if str(tmp_path) in line]
+
+    state, store = DictState(numel=200_003), SnapshotDir(str(tmp_path))  # > 3 copy chunks
+    snaps = MemorySnapshotter(ckpt_spec(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
+                              3, lambda ok: ok)
+    for step in range(1, 6):
+        state.train()
+        snaps.snapshot(step)
+        snaps.wait()
+        stamp, files = store.read(3, 0, step)  # sizes and the chunked checksum verified
+        assert stamp.commit["lr_step"] == step
+        shard = next(data for name, data in files.items() if name != ".metadata")
+        assert state.tensors["model.w"].numpy().tobytes() in shard
+        assert len(mapped()) == min(step, 2), mapped()  # no third mapping: buffers reused
+    snaps.close()
+    assert mapped() == []
+
+
 @pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 0}, {"tp": 2},
                                     {"dp": 2, "zero": 3}], ids=["zero1", "zero0", "tp2", "zero3"])
 def test_a_reused_save_plan_writes_what_a_fresh_plan_writes(tmp_path, layout):
