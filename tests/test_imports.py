@@ -203,7 +203,8 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
     script = textwrap.dedent(f"""
         import importlib, os, sys
         from workers.worker import PRELOAD
-        from workers.launch import MemoryOptions, free_port, run_rank
+        from workers.launch import free_port, run_rank
+        from workers.memory_options import MemoryOptions
         from tests.ckpt_jobs import ckpt_spec
 
         for name in PRELOAD:

@@ -17,9 +17,10 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
+
+from workers.memory_options import MemoryOptions, begin_rank, snapshotter
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +146,9 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
                 emit(stamp({**event, "rank": rank}))
 
     with CheckpointManager(spec, trainer, rank, world, storage_options=storage_options) as mgr:
-        resumed, source = _begin(mgr, trainer, memory, resume, rank, world)
+        resumed, source = begin_rank(mgr, trainer, memory, resume, rank, world)
         report(mgr.drain_events())
-        snaps = _snapshotter(spec, mgr, rank, world, memory)
+        snaps = snapshotter(spec, mgr, rank, world, memory)
         if on_step is not None:
             on_step(stamp({"event": "started", "step": trainer.step, "resumed_from": resumed,
                            "source": source, **base}))
@@ -182,84 +183,6 @@ def _stop_at_boundary(mgr: Any, step: int, report: Callable[[list[dict[str, Any]
     mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
     report(mgr.drain_events())
     return {"event": "stopped", "step": step, **base}
-
-
-@dataclass
-class MemoryOptions:
-    """In-memory snapshots of one rank (set by its agent; picklable)."""
-    snapshot_dir: str | None = None  # where this rank's snapshots go (None: off)
-    generation: int = 0  # the controller's placement counter: pieces of one generation combine
-    restore_uri: str | None = None  # an assembled snapshot to resume from instead of storage
-    on_snapshot: Callable[[dict[str, Any]], None] | None = None  # told when one is complete
-    replicated: bool = False  # the agent sends each snapshot to a peer node: pace to it
-    plan: str | None = None  # this rank's save plan from its previous process (plan_codec)
-    on_plan: Callable[[str], None] | None = None  # told each new save plan (the agent keeps it)
-
-
-def _begin(mgr: Any, trainer: Any, memory: MemoryOptions | None, resume: bool, rank: int,
-           world: int) -> tuple[int | None, str | None]:
-    """Take over the previous process's save plan, then resume; with nothing to resume from,
-    initialise the weights (a trainer built to resume is built without)."""
-    if memory is not None:
-        _hand_over_plans(mgr.plans, memory, rank, world)
-    resumed, source = _resume(mgr, memory) if resume else (None, None)
-    if resume and resumed is None:  # a fresh start
-        trainer.initialise_weights()
-    return resumed, source
-
-
-def _hand_over_plans(plans: Any, memory: MemoryOptions, rank: int, world: int) -> None:
-    """Adopt the save plan this rank's previous process left with the agent, and hand each new
-    one over for the next (checkpoint/plan_codec.py: a restart then skips ~0.1 s of planning)."""
-    from checkpoint.plan_codec import PlanFormatError, decode_plan, encode_plan
-
-    if memory.plan is not None:
-        try:
-            plans.adopt(decode_plan(memory.plan, rank, world))
-        except PlanFormatError as exc:
-            logger.info("rank %d: the previous process's save plan is not used: %s", rank, exc)
-    if memory.on_plan is not None:
-        on_plan = memory.on_plan
-        plans.on_new_plan = lambda cache: on_plan(encode_plan(cache, rank, world))
-
-
-def _snapshotter(spec: Any, mgr: Any, rank: int, world: int,
-                 memory: MemoryOptions | None) -> Any:
-    if memory is None or memory.snapshot_dir is None or spec.checkpoint.memory_every_steps <= 0:
-        return None
-    from checkpoint.planning import all_ranks_agree
-    from checkpoint.snapshot import MemorySnapshotter
-
-    return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
-                             memory.generation, all_ranks_agree, memory.on_snapshot,
-                             memory.replicated, plans=mgr.plans)
-
-
-def _resume(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
-    """Load the assembled snapshot when every rank can read it; storage otherwise."""
-    from checkpoint.planning import all_ranks_agree
-
-    uri = memory.restore_uri if memory is not None else None
-    if uri is not None:
-        if all_ranks_agree(_readable(uri)):
-            step = mgr.load(source_uri=uri)
-            if step is not None:
-                return step, "memory"
-        logger.warning("the in-memory snapshot at %s is not readable on every rank; "
-                       "resuming from storage", uri)
-    step = mgr.load()
-    return step, ("storage" if step is not None else None)
-
-
-def _readable(uri: str) -> bool:
-    from checkpoint.catalog import Catalog
-    from checkpoint.storage import Storage, StorageError
-
-    try:
-        return bool(Catalog(Storage(uri, timeout_s=10.0)).committed_steps())
-    except (StorageError, OSError, ValueError) as exc:
-        logger.warning("cannot read %s: %s", uri, exc)
-        return False
 
 
 def _step_record(result: Any, base: dict[str, Any]) -> dict[str, Any]:

@@ -94,7 +94,8 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
     # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
     gc.freeze()
     from workers.chaos_injector import ChaosInjector
-    from workers.launch import MemoryOptions, run_rank
+    from workers.launch import run_rank
+    from workers.memory_options import MemoryOptions
 
     lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
 
@@ -143,6 +144,7 @@ class RankWorker:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._ledger: Any = None
+        self._warmed: Any = None  # the ledger this agent has called already (see start)
         self._control: Any = None
         self._attempt = 0
         self._plan: str | None = None  # the newest save plan a training process handed over
@@ -193,7 +195,8 @@ class RankWorker:
         number, which tags every later heartbeat so stale answers can be told apart."""
         self.stop()
         self._ledger, self._attempt = run.ledger, self._attempt + 1
-        if run.ledger is not None and run.chaos:
+        if run.ledger is not None and run.chaos and run.ledger != self._warmed:
+            self._warmed = run.ledger  # handles compare by actor: once per ledger, not per start
             threading.Thread(target=_warm_up_ledger, args=(run.ledger,), daemon=True).start()
         self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation)
         parent, child = self._ctx.Pipe()
