@@ -10,11 +10,11 @@ Off the critical path: `snapshot(step)` only plans (the plan and its views of th
 are reused while the state's identity holds, checkpoint/planning.py; tiny all-reduces confirm
 it on every rank) and hands the copy to this rank's low-priority copying thread, which writes
 the live tensors into its kept mapping of the tmpfs file (buffer_maps.py) and checksums them
-chunk by chunk. The state changes
-only inside the next `optimizer.step()`, so a hook there (`fence_before_update`) waits for
-the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol
-of snapshot_store.py makes a copy killed half-way invisible. `on_done(event)` is called from
-the copying thread once the snapshot is complete (the agent then replicates it to a peer).
+chunk by chunk. The state changes only inside the next `optimizer.step()`, so a hook there
+(`fence_before_update`) waits for the copy if it is still running; training otherwise never
+waits. The `.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
+invisible. `on_done(event)` is called from the copying thread once the snapshot is complete
+(the agent then replicates it to a peer).
 """
 from __future__ import annotations
 
