@@ -11,8 +11,9 @@ keeps the mapping while the file lives.
 
 What keeps this from pinning memory: a mapping keeps its file's pages even after the file is
 deleted, so a mapping whose file has no name left (a pruned buffer, a dropped job) is closed
-at the next lookup, at most `limit` mappings are kept (least recently used go first), and the
-owner calls `close()` when its job ends.
+whenever another buffer is mapped (a buffer is deleted only when the writer moves on to new
+ones: a new generation's series, a step written again), at most `limit` mappings are kept
+(least recently used go first), and the owner calls `close()` when its job ends.
 """
 from __future__ import annotations
 
