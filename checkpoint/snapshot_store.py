@@ -135,16 +135,15 @@ def _safe_name(name: str) -> str:
 class SnapshotDir:
     """The snapshots of one (generation, rank) series under `root`, newest `keep` kept."""
 
-    def __init__(self, root: str, keep: int = 2, maps: BufferMaps | None = None) -> None:
+    def __init__(self, root: str, keep: int = 2) -> None:
         """`keep` buffers per series. Once `keep` are held a new snapshot rewrites the oldest
         one's pages in place (rewriting tmpfs pages costs a fraction of allocating fresh
         ones). With keep 2 the newest stays complete while the other is rewritten; a replica
         (keep 2 as well, workers/snapshot_keeper.py) is rewritten only once its successor's
-        bytes are all on this node. `maps`: the writer's mappings of those buffers, kept
-        between snapshots (buffer_maps.py); without, `receive` maps each file afresh."""
+        bytes are all on this node."""
         if keep < 1:
             raise ValueError(f"keep: {keep} must be >= 1")
-        self.root, self.keep, self.maps = root, keep, maps
+        self.root, self.keep = root, keep
 
     def series(self, generation: int, rank: int) -> str:
         return os.path.join(self.root, f"g{generation}-r{rank}")
@@ -201,42 +200,22 @@ class SnapshotDir:
         self.publish(partial, stamp)
 
     def receive(self, partial: str, stamp: SnapshotStamp,
-                fill: Callable[[str, memoryview], None]) -> None:
+                fill: Callable[[str, memoryview], None], maps: BufferMaps) -> None:
         """Fill a `.partial` directory (from `begin`) with bytes that arrive from elsewhere:
         `fill(name, view)` fills each file's mapped pages, in name order (a reused buffer of
-        the same size keeps its pages); each file must match the stamp's crc32c. The caller
-        publishes."""
+        the same size keeps its pages and, through the receiver's `maps`, its mapping); each
+        file must match the stamp's crc32c. The caller publishes."""
         for name in sorted(stamp.files):
             size, crc = stamp.files[name]
             path = os.path.join(partial, _safe_name(name))
             try:
-                got = self._fill(path, size, name, fill)
+                got = _fill(maps, path, size, name, fill)
             except OSError as exc:  # e.g. the job ended and its directory went
                 raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name}: "
                                     f"{exc}") from None
             if got != crc:
                 raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name} "
                                     f"arrived damaged (checksum mismatch)")
-
-    def _fill(self, path: str, size: int, name: str, fill: Callable[[str, memoryview], None]
-              ) -> int:
-        """`fill` the file's `size` bytes through a shared mapping; their crc32c."""
-        if not size:
-            fill(name, memoryview(bytearray()))
-            overwrite(path, [])
-            return 0
-        # Without the writer's maps (None: an empty BufferMaps is falsy) mapped for this once
-        maps = self.maps if self.maps is not None else BufferMaps(limit=1)
-        try:
-            view = memoryview(maps.mapping(path, size))
-            try:
-                fill(name, view)
-                return crc32c_of([view])
-            finally:
-                view.release()
-        finally:
-            if maps is not self.maps:
-                maps.close()
 
     def prune(self, generation: int) -> None:
         """Keep each series' newest `keep` complete snapshots (by write time); drop the
@@ -369,6 +348,21 @@ class SnapshotDir:
                                     f"({len(data)} of {size} bytes, checksum mismatch)")
             files[name] = data
         return stamp, files
+
+
+def _fill(maps: BufferMaps, path: str, size: int, name: str,
+          fill: Callable[[str, memoryview], None]) -> int:
+    """`fill` the file's `size` bytes through its kept shared mapping; their crc32c."""
+    if not size:
+        fill(name, memoryview(bytearray()))
+        overwrite(path, [])
+        return 0
+    view = memoryview(maps.mapping(path, size))
+    try:
+        fill(name, view)
+        return crc32c_of([view])
+    finally:
+        view.release()
 
 
 if "crc32c" not in checksum_algorithms():  # pragma: no cover - crc32c is a dependency

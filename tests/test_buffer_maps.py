@@ -25,7 +25,7 @@ def test_a_buffer_is_mapped_once_and_its_writes_are_the_files_bytes(tmp_path):
     assert first.closed
 
 
-def test_a_deleted_buffer_is_unmapped_at_the_next_lookup(tmp_path):
+def test_a_deleted_buffer_is_unmapped_when_another_buffer_is_mapped(tmp_path):
     maps = BufferMaps(limit=4)
     gone = _write(maps, str(tmp_path / "old"), b"x" * 8192)
     os.unlink(tmp_path / "old")

@@ -103,7 +103,7 @@ class SnapshotKeeper:
         # was gone for the first ones and no step was complete (the recovery fell back to
         # storage in 2 of 4 frozen-node runs). Snapshots wait until every rank's N-1 was sent,
         # so with two buffers N-1 is always complete.
-        return SnapshotDir(self.replica_dir, keep=2, maps=self._maps)
+        return SnapshotDir(self.replica_dir, keep=2)
 
     # ---- replication -------------------------------------------------------------------------
     def replicate(self, generation: int, rank: int, step: int) -> None:
@@ -187,7 +187,7 @@ class SnapshotKeeper:
             partial = replicas.begin(stamp.generation, stamp.rank, stamp.step)
             self._landing.add(series)
         try:
-            replicas.receive(partial, stamp, fill)
+            replicas.receive(partial, stamp, fill, self._maps)
             with self._lock:
                 if self._epoch != epoch:
                     raise SnapshotError("the job ended while its replica arrived")
