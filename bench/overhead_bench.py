@@ -156,6 +156,7 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
     cpu1, step1 = orchestration_cpu(), job.controller.step
     held = shm_bytes(job.controller.job_id)
+    taken = snapshots_taken(job, step0, step1)
     job.finish(TIMEOUT_S)
     if job.state != "SUCCEEDED":
         raise RuntimeError(f"snapshot variant {every}: {job.state}: {job.controller.cause}")
@@ -167,12 +168,24 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     out["snapshot_bytes"] = sorted({e["bytes"] for e in job.of("snapshot") if e.get("bytes")})
     out["snapshot_copy_s"] = [e["seconds"] for e in job.of("snapshot") if "seconds" in e]
     out["shm_bytes_held"], out["world"] = held, spec.resources.world_size
+    out["snapshots_taken"], out["snapshot_window_steps"] = taken, step1 - step0
     used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}  # agents replicate: their CPU counts
     counted = max(1, step1 - step0)
     out["orchestration_cpu_s_per_step"] = sum(used.values()) / counted
     out["orchestration_cpu_s_per_step_by_process"] = {
         k: round(v / counted, 5) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
     return out
+
+
+def snapshots_taken(job: TimedJob, first: int, last: int) -> int:
+    """How many of steps (first, last] rank 0 snapshotted: its agent's records (the controller
+    passes on only a process's first). A snapshot is skipped while the last one's replica is
+    still on its way, so this shows whether replication kept up with every step."""
+    import ray
+
+    reply = ray.get(job.controller.group.ranks[0].actor.heartbeat.remote(0), timeout=60)
+    return len({e["step"] for e in reply["events"]
+                if e.get("event") == "snapshot" and first < e["step"] <= last})
 
 
 def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
@@ -202,6 +215,10 @@ def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]
     report.add("CPU outside the ranks per step: snapshots − off", statistics.median(extra),
                unit="s", note=f"Ray's daemons and the agents (who replicate), pairs "
                f"{extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs {steps_cpu:.3f} CPU s")
+    taken = [r["snapshots_taken"] / max(1, r["snapshot_window_steps"]) for r in on]
+    report.add("snapshots taken per step (steady window)", min(taken),
+               note=f"lowest of {len(taken)} runs ({', '.join(f'{t:.2f}' for t in taken)}): below 1, "
+               "replicas fell behind and steps went without a snapshot")
     sizes = [b for r in on for b in r["snapshot_bytes"]]
     held = [r["shm_bytes_held"] / r["world"] for r in on]
     copies = [c for r in on for c in r["snapshot_copy_s"]]

@@ -7,8 +7,8 @@ assembles the pieces into an ordinary version directory and loads it through the
 resharding path as storage (checkpoint/restore.py) — one implementation, not two.
 
 Off the critical path: `snapshot(step)` only plans (the plan and its views of the live tensors
-are reused while the state's identity holds, checkpoint/planning.py; tiny all-reduces confirm
-it on every rank) and hands the copy to this rank's low-priority copying thread, which writes
+are reused while the state's identity holds, checkpoint/planning.py; one tiny all-reduce
+confirms it on every rank, with the step and whether the last replica went) and hands the copy to this rank's low-priority copying thread, which writes
 the live tensors into its kept mapping of the tmpfs file (buffer_maps.py) and checksums them
 chunk by chunk. The state changes only inside the next `optimizer.step()`, so a hook there
 (`fence_before_update`) waits for the copy if it is still running; training otherwise never
@@ -77,16 +77,18 @@ class MemorySnapshotter:
         """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
         self.wait()
         self._drop_fence()
-        if self.replicated and not self.agree(self._replica_caught_up()):
-            self.skipped += 1  # every rank skips alike: their newest steps stay the same
-            logger.info("rank %d: snapshot of step %d skipped: a replica is still on its way",
-                        self.rank, step)
-            return
+        # Whether the replica caught up is agreed in the plan's own all-reduce (one per step)
+        ready = self._replica_caught_up() if self.replicated else None
         try:
-            planned = self.plans.plan(self.state, self.rank, self.agree)
+            planned = self.plans.plan(self.state, self.rank, self.agree, ready)
         except Exception as exc:  # a snapshot is an optimisation: never stop training for it
             self.failed += 1
             logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
+            return
+        if planned is None:
+            self.skipped += 1  # every rank skips alike: their newest steps stay the same
+            logger.info("rank %d: snapshot of step %d skipped: a replica is still on its way",
+                        self.rank, step)
             return
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
         commit = manifest_fields(self.state, self.spec.name, self.model_hash)

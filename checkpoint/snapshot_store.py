@@ -200,11 +200,12 @@ class SnapshotDir:
         self.publish(partial, stamp)
 
     def receive(self, partial: str, stamp: SnapshotStamp,
-                fill: Callable[[str, memoryview], None], maps: BufferMaps) -> None:
+                fill: Callable[[str, memoryview], int], maps: BufferMaps) -> None:
         """Fill a `.partial` directory (from `begin`) with bytes that arrive from elsewhere:
         `fill(name, view)` fills each file's mapped pages, in name order (a reused buffer of
-        the same size keeps its pages and, through the receiver's `maps`, its mapping); each
-        file must match the stamp's crc32c. The caller publishes."""
+        the same size keeps its pages and, through the receiver's `maps`, its mapping), and
+        returns the crc32c of what it wrote (computed as the bytes arrive: a second pass would
+        read them back from memory); each must match the stamp's. The caller publishes."""
         for name in sorted(stamp.files):
             size, crc = stamp.files[name]
             path = os.path.join(partial, _safe_name(name))
@@ -351,16 +352,15 @@ class SnapshotDir:
 
 
 def _fill(maps: BufferMaps, path: str, size: int, name: str,
-          fill: Callable[[str, memoryview], None]) -> int:
-    """`fill` the file's `size` bytes through its kept shared mapping; their crc32c."""
+          fill: Callable[[str, memoryview], int]) -> int:
+    """`fill` the file's `size` bytes through its kept shared mapping; their crc32c (`fill`'s)."""
     if not size:
-        fill(name, memoryview(bytearray()))
+        crc = fill(name, memoryview(bytearray()))
         overwrite(path, [])
-        return 0
+        return crc
     view = memoryview(maps.mapping(path, size))
     try:
-        fill(name, view)
-        return crc32c_of([view])
+        return fill(name, view)
     finally:
         view.release()
 

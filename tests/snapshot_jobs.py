@@ -128,3 +128,29 @@ def handed_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
             "handed_equal": _save_bytes(handed) == _save_bytes(fresh),
             "mixed_reused": mixed_plan.reused_plan,
             "mixed_equal": _save_bytes(mixed_plan) == _save_bytes(fresh)}
+
+
+def not_ready_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A save one rank is not ready for (a snapshot whose replica is still on its way): no
+    rank plans it; once every rank is ready the cached plan serves, with the agreed step."""
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.planning import STEP_KEY, all_ranks_agree
+    from parallel.layout import ParallelLayout
+    from workers.trainer import Trainer
+
+    spec = ckpt_spec(f"file://{root}/storage")
+    trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
+    trainer.run_step()
+    enumerated: list[int] = []
+    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        pieces_for_save = mgr.state.pieces_for_save
+        mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
+        first = mgr.plans.plan(mgr.state, rank, all_ranks_agree)  # from scratch
+        trainer.run_step()
+        refused = [mgr.plans.plan(mgr.state, rank, all_ranks_agree, ready=ready) is None
+                   for ready in (rank == 0, rank == 1, False)]
+        ready = mgr.plans.plan(mgr.state, rank, all_ranks_agree, ready=True)
+        steps = [float(t) for item, (_, t) in zip(mgr.plans.cache.final_items, ready.tensors)
+                 if item.index.fqn == STEP_KEY]  # held by one rank (a save dedups it)
+    return {"first_reused": first.reused_plan, "refused": refused,
+            "reused": ready.reused_plan, "planned": len(enumerated), "steps": steps}

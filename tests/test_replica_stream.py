@@ -11,7 +11,7 @@ import pytest
 
 from checkpoint.snapshot_store import SNAPSHOT_ENV, SnapshotDir, SnapshotError, SnapshotStamp, \
     crc32c_of
-from workers.replica_stream import MAGIC, Endpoint, send_snapshot
+from workers.replica_stream import CRC_STRETCH, MAGIC, Endpoint, recv_checksummed, send_snapshot
 from workers.snapshot_keeper import SnapshotKeeper
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,6 +116,45 @@ def test_bytes_damaged_in_transit_are_refused_and_the_last_replica_stays(pair):
     assert _held(receiver) == {11, 12}
 
 
+@pytest.mark.parametrize("pieces", [[1], [7, 4096, 100_000], [CRC_STRETCH - 1, 2, 300_001],
+                                    [3 * CRC_STRETCH + 5]], ids=["byte", "small", "odd", "whole"])
+def test_bytes_are_checksummed_as_they_arrive_whatever_the_pieces(pieces):
+    """However the sender cuts the stream, the running checksum is the whole file's."""
+    import threading
+
+    data = bytes((i * 31 + 7) % 251 for i in range(sum(pieces)))
+    view = memoryview(bytearray(len(data)))
+    ours, theirs = socket.socketpair()
+
+    def send() -> None:
+        offset = 0
+        for size in pieces:
+            theirs.sendall(data[offset:offset + size])
+            offset += size
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with ours, theirs:
+        assert recv_checksummed(ours, view) == crc32c_of([data])
+        sender.join()
+    assert bytes(view) == data
+
+
+def test_a_large_file_damaged_past_its_first_stretch_is_refused(pair):
+    """The checksum taken while bytes arrive covers every stretch, the last one included."""
+    receiver, send = pair
+    big = bytes((i * 13) % 253 for i in range(2 * CRC_STRETCH + 777))
+    files = {**_files(11), "__1_0.distcp": big}
+    assert send(11, files) == 11
+    for where in (CRC_STRETCH + 5, len(big) - 1):  # a later stretch; the very last byte
+        damaged = big[:where] + bytes([big[where] ^ 1]) + big[where + 1:]
+        with pytest.raises(SnapshotError, match="damaged"):
+            send(12, {**files, "__1_0.distcp": damaged}, _stamp(12, files))
+        assert _held(receiver) == {11}
+    stamp_json, held = receiver.read("replica", GEN, RANK, 11)
+    assert bytes(held["__1_0.distcp"]) == big
+
+
 def test_a_sender_that_dies_mid_stream_leaves_nothing_visible(pair):
     receiver, send = pair
     send(11)
@@ -148,10 +187,11 @@ def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypat
     keeper.configure("ending", 0, None, GEN)
     files = _files(11)
 
-    def fill(name: str, view: memoryview) -> None:
+    def fill(name: str, view: memoryview) -> int:
         view[:] = files[name]
         if name == last:  # the controller ends the job while the bytes arrive
             keeper.drop_job()
+        return crc32c_of([view])
 
     for last in (".metadata", "empty"):  # a file still to come / all arrived, not published
         keeper.configure("ending", 0, None, GEN)

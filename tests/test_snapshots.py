@@ -9,12 +9,12 @@ import torch
 
 from checkpoint.catalog import Catalog, version_name
 from checkpoint.restore import assemble_version
-from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp
+from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, crc32c_of
 from checkpoint.storage import Storage
 from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
 from tests.distributed import rank_context, run_ranks
-from tests.snapshot_jobs import (handed_plan_job, load_both_job, reused_plan_job,
-                                 snapshot_and_save_job)
+from tests.snapshot_jobs import (handed_plan_job, load_both_job, not_ready_job,
+                                 reused_plan_job, snapshot_and_save_job)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,6 +205,15 @@ def test_a_reused_save_plan_writes_what_a_fresh_plan_writes(tmp_path, layout):
         assert rank["fast"] >= 3
 
 
+def test_a_save_any_rank_is_not_ready_for_is_planned_by_none_in_the_plans_own_all_reduce(
+        tmp_path):
+    out = run_ranks(not_ready_job, 2, str(tmp_path))
+    for rank in out:
+        assert rank["refused"] == [True, True, True] and rank["planned"] == 1, rank
+        assert not rank["first_reused"] and rank["reused"], rank
+    assert sorted(s for rank in out for s in rank["steps"]) == [2.0]  # the step, agreed
+
+
 @pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"tp": 2}], ids=["zero1", "tp2"])
 def test_a_plan_handed_to_a_restarted_process_is_reused_only_from_one_round(tmp_path, layout):
     out = run_ranks(handed_plan_job, 2, str(tmp_path), {**layout, "micro_batch_size": 1})
@@ -240,8 +249,9 @@ def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_comp
     survivor.configure("mid-send", 0, None, 1)
     data = {"s.distcp": b"y" * 64}
 
-    def fill(name: str, view: memoryview) -> None:
+    def fill(name: str, view: memoryview) -> int:
         view[:] = data[name]
+        return crc32c_of([view])
 
     for rank, steps in ((2, (11, 12)), (3, (11,))):
         for step in steps:
