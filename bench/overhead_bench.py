@@ -31,6 +31,10 @@ the next optimizer step, replica send) lands on the same 2 cores. Runs alternate
 ... in one Ray session; each ratio is the median over the pairs. Also reported: the bytes of
 one rank's snapshot (the `snapshot` events) and the /dev/shm bytes the job actually held per
 rank at its last step (own double buffer + the peer's replica + nothing else).
+Beside them, a third run per pair: snapshots off, next to a process that moves the same
+bytes every step with no Tenax code (bench/transport_floor.py: copy and checksum, sendfile over
+loopback, receive and checksum, for each rank): off beside those moves ÷ off is the least
+per-step snapshots with a replica can cost on this host, whatever the implementation.
 `--part snapshots|orchestration` runs one part only.
 """
 from __future__ import annotations
@@ -188,15 +192,42 @@ def snapshots_taken(job: TimedJob, first: int, last: int) -> int:
                 if e.get("event") == "snapshot" and first < e["step"] <= last})
 
 
+def run_beside_moves(root: str, steps: int, nbytes: int, period_s: float,
+                     world: int) -> dict[str, Any]:
+    """A job without snapshots beside a process that moves `world` snapshots' bytes every
+    `period_s` with no Tenax code (bench/transport_floor.py): the least snapshots can cost."""
+    from bench.transport_floor import mover
+
+    with mover(nbytes, world, period_s):
+        out = run_snapshot_variant(root, steps, 0)
+    out["side"] = "bare moves beside, memory_every_steps=0"
+    return out
+
+
+def snapshot_runs(root: str, steps: int, pairs: int) -> tuple[list, list, list]:
+    """Per pair: snapshots on, off, and off beside the bare moves (sized and paced by the
+    pair's on and off runs); the order flips every pair so the host's drift hits all alike."""
+    on: list[dict[str, Any]] = []
+    off: list[dict[str, Any]] = []
+    moved: list[dict[str, Any]] = []
+    with local_ray(gpus=2):
+        for i in range(pairs):
+            if i % 2 == 0:
+                on.append(run_snapshot_variant(root, steps, 1))
+                off.append(run_snapshot_variant(root, steps, 0))
+            nbytes = max(b for r in on for b in r["snapshot_bytes"])
+            moved.append(run_beside_moves(root, steps, nbytes, off[-1]["median_step_s"],
+                                          on[-1]["world"]))
+            if i % 2 == 1:
+                off.append(run_snapshot_variant(root, steps, 0))
+                on.append(run_snapshot_variant(root, steps, 1))
+    return on, off, moved
+
+
 def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
     steps, pairs = (30, 3) if quick else (40, 6)
-    runs: list[dict[str, Any]] = []
-    with local_ray(gpus=2):
-        for i in range(pairs):  # ABBA: drift of the shared host hits both sides alike
-            order = (1, 0) if i % 2 == 0 else (0, 1)
-            pair = {every: run_snapshot_variant(root, steps, every) for every in order}
-            runs += [pair[1], pair[0]]
-    on, off = runs[0::2], runs[1::2]
+    on, off, moved = snapshot_runs(root, steps, pairs)
+    runs = [r for trio in zip(on, off, moved) for r in trio]
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(a[key] / b[key] for a, b in zip(on, off))
         report.add(f"{label} tokens/s: snapshots every step ÷ off", statistics.median(pair),
@@ -228,7 +259,28 @@ def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]
     report.add("host memory held per rank in /dev/shm", max(held) / 2**20, unit="MiB",
                note=f"measured at the last step: {max(held) / max(sizes or [1]):.2f} x one "
                f"snapshot (double buffer + the peer's double-buffered replica)")
+    if sizes:
+        floor_rows(report, off, moved, max(sizes))
     return runs
+
+
+def floor_rows(report: Report, off: list[dict[str, Any]], moved: list[dict[str, Any]],
+               nbytes: int) -> None:
+    """What moving the snapshots' bytes costs with no Tenax code (bench/transport_floor.py):
+    beside a job, and alone in CPU seconds."""
+    from bench.transport_floor import measure
+
+    for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
+        pair = sorted(a[key] / b[key] for a, b in zip(moved, off))
+        report.add(f"{label} tokens/s: off beside the bare moves ÷ off", statistics.median(pair),
+                   note=f"median of {len(pair)} pairs (range {pair[0]:.3f}-{pair[-1]:.3f}): "
+                   "the least per-step snapshots with a replica can cost on this host, where "
+                   "the ranks and both nodes' agents share its cores")
+    floor = measure(nbytes)
+    report.add("CPU to move one snapshot, no Tenax code", floor["total_s"], unit="s",
+               note=f"{nbytes / 2**20:.1f} MiB: copy + checksum {floor['copy_and_checksum_s']:.4f}, "
+               f"sendfile over loopback {floor['send_s']:.4f}, receive + checksum "
+               f"{floor['receive_and_checksum_s']:.4f} s (median of {floor['reps']}, idle host)")
 
 
 def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
