@@ -149,15 +149,12 @@ def shm_bytes(job_id: str) -> int:
     return total
 
 
-def run_snapshot_variant(root: str, steps: int, every: int, slow: float = 1.0) -> dict[str, Any]:
-    """One job in the current Ray session with memory_every_steps=`every`; `slow` > 1: every
-    rank's forward/backward takes that many times as long, the extra asleep (chaos `slow`)."""
+def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
+    """One job in the current Ray session with memory_every_steps=`every`."""
     spec = make_spec(root, MODEL + SNAP_RESOURCES + [
         f"train.steps={steps}", f"checkpoint.every_steps={steps}",
         f"checkpoint.memory_every_steps={every}"], f"overhead-snap{every}")
-    chaos = "; ".join(f"slow rank={r} at=1 factor={slow}"
-                      for r in range(spec.resources.world_size)) if slow > 1 else None
-    job = TimedJob(spec, chaos).start()
+    job = TimedJob(spec).start()
     job.wait_for(lambda: job.controller.step >= WARMUP, TIMEOUT_S, f"step {WARMUP}")
     cpu0, step0 = orchestration_cpu(), job.controller.step
     job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
@@ -195,19 +192,19 @@ def snapshots_taken(job: TimedJob, first: int, last: int) -> int:
                 if e.get("event") == "snapshot" and first < e["step"] <= last})
 
 
-def run_beside_moves(root: str, steps: int, nbytes: int, period_s: float, world: int,
-                     slow: float) -> dict[str, Any]:
+def run_beside_moves(root: str, steps: int, nbytes: int, period_s: float,
+                     world: int) -> dict[str, Any]:
     """A job without snapshots beside a process that moves `world` snapshots' bytes every
     `period_s` with no Tenax code (bench/transport_floor.py): the least snapshots can cost."""
     from bench.transport_floor import mover
 
     with mover(nbytes, world, period_s):
-        out = run_snapshot_variant(root, steps, 0, slow)
+        out = run_snapshot_variant(root, steps, 0)
     out["side"] = "bare moves beside, memory_every_steps=0"
     return out
 
 
-def snapshot_runs(root: str, steps: int, pairs: int, slow: float) -> tuple[list, list, list]:
+def snapshot_runs(root: str, steps: int, pairs: int) -> tuple[list, list, list]:
     """Per pair: snapshots on, off, and off beside the bare moves (sized and paced by the
     pair's on and off runs); the order flips every pair so the host's drift hits all alike."""
     on: list[dict[str, Any]] = []
@@ -216,21 +213,20 @@ def snapshot_runs(root: str, steps: int, pairs: int, slow: float) -> tuple[list,
     with local_ray(gpus=2):
         for i in range(pairs):
             if i % 2 == 0:
-                on.append(run_snapshot_variant(root, steps, 1, slow))
-                off.append(run_snapshot_variant(root, steps, 0, slow))
+                on.append(run_snapshot_variant(root, steps, 1))
+                off.append(run_snapshot_variant(root, steps, 0))
             nbytes = max(b for r in on for b in r["snapshot_bytes"])
             moved.append(run_beside_moves(root, steps, nbytes, off[-1]["median_step_s"],
-                                          on[-1]["world"], slow))
+                                          on[-1]["world"]))
             if i % 2 == 1:
-                off.append(run_snapshot_variant(root, steps, 0, slow))
-                on.append(run_snapshot_variant(root, steps, 1, slow))
+                off.append(run_snapshot_variant(root, steps, 0))
+                on.append(run_snapshot_variant(root, steps, 1))
     return on, off, moved
 
 
-def snapshot_part(root: str, quick: bool, report: Report,
-                  slow: float = 1.0) -> list[dict[str, Any]]:
+def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
     steps, pairs = (30, 3) if quick else (40, 6)
-    on, off, moved = snapshot_runs(root, steps, pairs, slow)
+    on, off, moved = snapshot_runs(root, steps, pairs)
     runs = [r for trio in zip(on, off, moved) for r in trio]
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(a[key] / b[key] for a, b in zip(on, off))
@@ -324,24 +320,16 @@ def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str,
 
 def _extra(parser: Any) -> None:
     parser.add_argument("--part", choices=("all", "snapshots", "orchestration"), default="all")
-    parser.add_argument("--device-bound", type=float, default=1.0, metavar="F",
-                        help="snapshot part: every rank's forward/backward takes F times as "
-                        "long, the extra asleep, as a device computing while the host's cores "
-                        "idle would (chaos `slow`); default 1: the CPU computes")
 
 
 def main() -> int:
     args = parse_args(__doc__, _extra)
     report = Report("Overhead: in-memory snapshots and orchestration, side by side")
-    if args.device_bound < 1:
-        raise SystemExit(f"--device-bound: {args.device_bound} must be >= 1")
     context: dict[str, Any] = {"quick": args.quick, "warmup": WARMUP, "model": MODEL,
-                               "device_bound": args.device_bound,
                                "load_avg_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="tenax-overhead-") as root:
         if args.part in ("all", "snapshots"):
-            context["snapshot_runs"] = snapshot_part(root, args.quick, report,
-                                                     args.device_bound)
+            context["snapshot_runs"] = snapshot_part(root, args.quick, report)
         if args.part in ("all", "orchestration"):
             context["orchestration_runs"] = orchestration_part(root, args.quick, report)
     context["load_avg_after"] = os.getloadavg()
