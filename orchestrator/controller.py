@@ -36,8 +36,7 @@ from orchestrator.job_facts import Recovery, Rescaling
 from orchestrator.health import StragglerFlag, StragglerTracker
 from orchestrator.placement import PLACEMENT_ERRORS, Placer
 from orchestrator.rank_records import absorb
-from orchestrator.inbox import (CancelRequest, Inbox, Interrupted, NodeLostReport, PreemptRequest,
-                                ScaleRequest)
+from orchestrator.inbox import CancelRequest, Inbox, NodeLostReport, PreemptRequest, ScaleRequest
 from orchestrator.policies import (STARTUP_HANG_FACTOR, Action, Capacity, Decision, JobSnapshot,
                                    Limits, NodeLossPolicy, ScalingPolicy, decide, restart_or_fail)
 from orchestrator.scheduler import allotted_capacity, preempt_decision
@@ -68,6 +67,7 @@ class Controller:
         self.restarts, self.lost_steps, self.cause = 0, 0, ""
         self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
         self._target_nodes, self.cancel_requested = spec.resources.nodes, False
+        self.interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
         self.recovery = Recovery()
         self.rank_faults: list[dict[str, Any]] = []  # drills the ranks inject (chaos driver)
@@ -137,10 +137,9 @@ class Controller:
         try:
             while not self.state.terminal:
                 self.step_once()
-        except KeyboardInterrupt as exc:  # Ctrl-C, or a signal the runner raises as Interrupted
+        except KeyboardInterrupt:
             self.cancel_requested = True
-            by = exc.by if isinstance(exc, Interrupted) else "Ctrl-C"
-            self._transition(JobState.CANCELLED, f"interrupted ({by})")
+            self._transition(JobState.CANCELLED, f"interrupted ({self.interrupted_by})")
         finally:
             self._stop_group()
         return self.state

@@ -16,17 +16,6 @@ from typing import Union
 logger = logging.getLogger(__name__)
 
 
-class Interrupted(KeyboardInterrupt):
-    """A signal that stops the job the way Ctrl-C does, raised into the controller's loop
-    (which turns a KeyboardInterrupt into CANCELLED after stopping the workers); `by` names
-    it for the cause. Why raised, not posted: the loop may be blocked in a call that only an
-    exception cuts short, and the stop must not wait for it."""
-
-    def __init__(self, by: str) -> None:
-        super().__init__(by)
-        self.by = by
-
-
 @dataclass(frozen=True)
 class CancelRequest:
     reason: str = "cancel requested"

@@ -19,7 +19,6 @@ from typing import Any, Iterator, TextIO
 from rich.markup import escape
 
 from orchestrator.chaos import parse_chaos, validate_for_job
-from orchestrator.inbox import Interrupted
 from orchestrator.spec import JobSpec
 from workers.events import human, layout_text
 
@@ -50,12 +49,12 @@ def ray_session(address: str | None, spec: JobSpec) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the job the way Ctrl-C does (`Interrupted`, a KeyboardInterrupt the
-    controller turns into CANCELLED after stopping the workers) instead of killing this process
-    before it can stop them. Why not rely on SIGINT alone: a job started in the background
-    (`nohup ... &`) has SIGINT ignored, and schedulers send SIGTERM. A second SIGTERM while
-    stopping is logged, not raised, so the stop itself is never cut short."""
+def sigterm_interrupts(controller: Any) -> Iterator[None]:
+    """SIGTERM stops the job the way Ctrl-C does (a KeyboardInterrupt the controller turns into
+    CANCELLED after stopping the workers) instead of killing this process before it can stop
+    them. Why not rely on SIGINT alone: a job started in the background (`nohup ... &`) has
+    SIGINT ignored, and schedulers send SIGTERM. A second SIGTERM while stopping is logged,
+    not raised, so the stop itself is never cut short."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set on the main thread
         return
@@ -66,7 +65,12 @@ def sigterm_interrupts() -> Iterator[None]:
             logger.warning("already stopping the job (SIGTERM ignored); SIGKILL stops at once")
             return
         fired.set()
-        raise Interrupted("SIGTERM")
+        # The name travels as the controller's attribute, not on the exception: one raised
+        # inside a Ray call comes out of it as a plain KeyboardInterrupt (tried at stop 29:
+        # the cause then read "Ctrl-C"). Setting an attribute is safe in a handler; posting
+        # to the inbox would take a lock the interrupted loop may hold.
+        controller.interrupted_by = "SIGTERM"
+        raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -156,7 +160,7 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
 
             metrics = serve_metrics(controller, metrics_port, sink)
         try:
-            with sigterm_interrupts():
+            with sigterm_interrupts(controller):
                 state = controller.run()
         finally:
             sink.close()
