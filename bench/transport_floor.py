@@ -139,7 +139,6 @@ def _move_forever(nbytes: int, copies: int, period_s: float, ready: Any, stop: A
                 np.copyto(target[start:start + STRETCH], live[start:start + STRETCH])
                 _crc_in_stretches(memoryview(m)[start:start + STRETCH])
             del target
-            m.flush()
         for i in range(copies):
             _send(server.getsockname()[1], os.path.join(root, f"b{i}"), nbytes, 1, [])
         deadline += period_s
@@ -166,3 +165,6 @@ def mover(nbytes: int, copies: int, period_s: float, timeout_s: float = 60.0) ->
         proc.join(timeout_s)
         if proc.is_alive():
             proc.kill()
+    if proc.exitcode != 0:  # it stopped early: the job beside it ran without its load
+        raise RuntimeError(f"the mover failed (exit code {proc.exitcode}); the run beside it "
+                           "does not measure the moves")
