@@ -248,8 +248,8 @@ def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]
                f"{extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs {steps_cpu:.3f} CPU s")
     taken = [r["snapshots_taken"] / max(1, r["snapshot_window_steps"]) for r in on]
     report.add("snapshots taken per step (steady window)", min(taken),
-               note=f"lowest of {len(taken)} runs ({', '.join(f'{t:.2f}' for t in taken)}): below 1, "
-               "replicas fell behind and steps went without a snapshot")
+               note=f"lowest of {len(taken)} runs ({', '.join(f'{t:.2f}' for t in taken)}): "
+               "below 1, replicas fell behind and steps went without a snapshot")
     sizes = [b for r in on for b in r["snapshot_bytes"]]
     held = [r["shm_bytes_held"] / r["world"] for r in on]
     copies = [c for r in on for c in r["snapshot_copy_s"]]
@@ -278,8 +278,8 @@ def floor_rows(report: Report, off: list[dict[str, Any]], moved: list[dict[str, 
                    "the ranks and both nodes' agents share its cores")
     floor = measure(nbytes)
     report.add("CPU to move one snapshot, no Tenax code", floor["total_s"], unit="s",
-               note=f"{nbytes / 2**20:.1f} MiB: copy + checksum {floor['copy_and_checksum_s']:.4f}, "
-               f"sendfile over loopback {floor['send_s']:.4f}, receive + checksum "
+               note=f"{nbytes / 2**20:.1f} MiB: copy + checksum "
+               f"{floor['copy_and_checksum_s']:.4f}, sendfile over loopback {floor['send_s']:.4f}, receive + checksum "
                f"{floor['receive_and_checksum_s']:.4f} s (median of {floor['reps']}, idle host)")
 
 

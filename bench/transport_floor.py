@@ -99,8 +99,9 @@ def measure(nbytes: int, reps: int = 10) -> dict[str, Any]:
         del target
         with socket.create_server(("127.0.0.1", 0)) as server:
             view = memoryview(rmap)
-            receiver = threading.Thread(target=_receive, args=(server, view, reps,
-                                                               _crc_in_stretches(live.data), recv_s))
+            expected = _crc_in_stretches(live.data)
+            receiver = threading.Thread(target=_receive,
+                                        args=(server, view, reps, expected, recv_s))
             receiver.start()
             _send(server.getsockname()[1], local, nbytes, reps, send_s)
             receiver.join(120)

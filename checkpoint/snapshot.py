@@ -8,11 +8,11 @@ resharding path as storage (checkpoint/restore.py) — one implementation, not t
 
 Off the critical path: `snapshot(step)` only plans (the plan and its views of the live tensors
 are reused while the state's identity holds, checkpoint/planning.py; one tiny all-reduce
-confirms it on every rank, with the step and whether the last replica went) and hands the copy to this rank's low-priority copying thread, which writes
-the live tensors into its kept mapping of the tmpfs file (buffer_maps.py) and checksums them
-chunk by chunk. The state changes only inside the next `optimizer.step()`, so a hook there
-(`fence_before_update`) waits for the copy if it is still running; training otherwise never
-waits. The `.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
+confirms it on every rank, with the step and whether the last replica went) and hands the copy
+to this rank's low-priority copying thread, which writes the live tensors into its kept
+mapping of the tmpfs file (buffer_maps.py) and checksums them chunk by chunk. The state
+changes only inside the next `optimizer.step()`, so a hook there (`fence_before_update`)
+waits for the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
 invisible. `on_done(event)` is called from the copying thread once the snapshot is complete
 (the agent then replicates it to a peer).
 """
