@@ -279,8 +279,9 @@ def floor_rows(report: Report, off: list[dict[str, Any]], moved: list[dict[str, 
     floor = measure(nbytes)
     report.add("CPU to move one snapshot, no Tenax code", floor["total_s"], unit="s",
                note=f"{nbytes / 2**20:.1f} MiB: copy + checksum "
-               f"{floor['copy_and_checksum_s']:.4f}, sendfile over loopback {floor['send_s']:.4f}, receive + checksum "
-               f"{floor['receive_and_checksum_s']:.4f} s (median of {floor['reps']}, idle host)")
+               f"{floor['copy_and_checksum_s']:.4f}, sendfile over loopback "
+               f"{floor['send_s']:.4f}, receive + checksum {floor['receive_and_checksum_s']:.4f}"
+               f" s (median of {floor['reps']}, idle host)")
 
 
 def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:

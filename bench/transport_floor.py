@@ -4,14 +4,15 @@ Per step and rank, a snapshot with a replica moves its bytes four times, whateve
 around it: the rank copies its live state into a tmpfs buffer and checksums it, its agent
 pushes that buffer into a TCP connection (`sendfile`), the peer's agent receives it into its
 own tmpfs buffer and checksums it. Here the same four moves run bare (numpy copy, crc32c,
-`sendfile` over loopback, `recv_into` a mapping), each on its own thread, and each thread's
+`sendfile` over loopback, `recv_into` a mapping with crc32c as the bytes arrive: the agents'
+own `recv_checksummed`, which is nothing more), each on its own thread, and each thread's
 CPU is read from its own clock (`time.thread_time`: user and system time, the kernel's TCP
 work included). Where the ranks keep every core busy, whatever these cost is taken from
 training, so it bounds what the snapshots can cost there from below (bench/overhead_bench.py
 reports it beside the measured cost). On separate hosts the transfer's two halves run on other
 machines' spare cores (and a NIC reads the sender's pages itself).
 
-`Mover` repeats those moves at a training job's step period in a process of its own, so that a
+`mover` repeats those moves at a training job's step period in a process of its own, so that a
 job without snapshots can run beside exactly the work snapshots must do and nothing else.
 """
 from __future__ import annotations
@@ -29,14 +30,24 @@ from typing import Any, Iterator
 
 import numpy as np
 
-STRETCH = 256 << 10  # checksummed while in cache, as the rank and the receiver do
+from checkpoint.snapshot_store import crc32c_of
+from workers.replica_stream import CRC_STRETCH as STRETCH, recv_checksummed
 
 
-def _crc_in_stretches(view: memoryview, crc: int = 0) -> int:
-    import crc32c
+def _crc_in_stretches(view: memoryview) -> int:
+    """crc32c of `view`, a cache-sized stretch at a time (as the rank's copying thread does)."""
+    return crc32c_of(view[start:start + STRETCH] for start in range(0, len(view), STRETCH))
 
-    for start in range(0, len(view), STRETCH):
-        crc = crc32c.crc32c(view[start:start + STRETCH], crc)
+
+def _copy_and_checksum(buffer: mmap.mmap, live: np.ndarray) -> int:
+    """What the rank's copying thread does: copy into the mapped buffer and checksum each
+    stretch right after it was written; the crc32c."""
+    target, view, crc = np.frombuffer(buffer, dtype=np.uint8), memoryview(buffer), 0
+    for start in range(0, len(live), STRETCH):
+        np.copyto(target[start:start + STRETCH], live[start:start + STRETCH])
+        crc = crc32c_of([view[start:start + STRETCH]], crc)
+    del target
+    view.release()
     return crc
 
 
@@ -48,20 +59,14 @@ def _mapped(path: str, nbytes: int) -> tuple[mmap.mmap, int]:
 
 def _receive(server: socket.socket, view: memoryview, reps: int, expected: int,
              out: list[float]) -> None:
-    """Take `reps` streams into `view`, checksumming as they arrive; CPU seconds to `out`.
-    A stream whose checksum is not `expected` is answered b"NO"."""
+    """Take `reps` streams into `view` with the agents' own receive loop (`recv_into` and
+    crc32c as the bytes arrive: nothing else); CPU seconds to `out`. A stream whose checksum
+    is not `expected` is answered b"NO"."""
     for _ in range(reps):
         conn, _ = server.accept()
         with conn:
-            t0, got, done, crc = time.thread_time(), 0, 0, 0
-            while got < len(view):
-                n = conn.recv_into(view[got:], len(view) - got)
-                if n == 0:
-                    raise ConnectionError(f"stream ended after {got} of {len(view)} bytes")
-                got += n
-                if got - done >= STRETCH or got == len(view):
-                    crc = _crc_in_stretches(view[done:got], crc)
-                    done = got
+            t0 = time.thread_time()
+            crc = recv_checksummed(conn, view)
             out.append(time.thread_time() - t0)
             conn.sendall(b"OK" if crc == expected else b"NO")
 
@@ -89,14 +94,10 @@ def measure(nbytes: int, reps: int = 10) -> dict[str, Any]:
     send_s: list[float] = []
     recv_s: list[float] = []
     try:
-        target = np.frombuffer(lmap, dtype=np.uint8)
-        for _ in range(reps):  # the rank's copying thread: copy and checksum, stretch by stretch
+        for _ in range(reps):
             t0 = time.thread_time()
-            for start in range(0, nbytes, STRETCH):
-                np.copyto(target[start:start + STRETCH], live[start:start + STRETCH])
-                _crc_in_stretches(memoryview(lmap)[start:start + STRETCH])
+            _copy_and_checksum(lmap, live)
             copy_s.append(time.thread_time() - t0)
-        del target
         with socket.create_server(("127.0.0.1", 0)) as server:
             view = memoryview(rmap)
             expected = _crc_in_stretches(live.data)
@@ -135,11 +136,7 @@ def _move_forever(nbytes: int, copies: int, period_s: float, ready: Any, stop: A
     deadline = time.monotonic()
     while not stop.is_set():
         for m, _ in maps[:copies]:
-            target = np.frombuffer(m, dtype=np.uint8)
-            for start in range(0, nbytes, STRETCH):
-                np.copyto(target[start:start + STRETCH], live[start:start + STRETCH])
-                _crc_in_stretches(memoryview(m)[start:start + STRETCH])
-            del target
+            _copy_and_checksum(m, live)
         for i in range(copies):
             _send(server.getsockname()[1], os.path.join(root, f"b{i}"), nbytes, 1, [])
         deadline += period_s
