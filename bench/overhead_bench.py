@@ -35,7 +35,12 @@ Beside them, a third run per pair: snapshots off, next to a process that moves t
 bytes every step with no Tenax code (bench/transport_floor.py: copy and checksum, sendfile over
 loopback, receive and checksum, for each rank): off beside those moves ÷ off is the least
 per-step snapshots with a replica can cost on this host, whatever the implementation.
-`--part snapshots|orchestration` runs one part only.
+Both with the host's cores shared by everything (the ranks saturate them, so any work beside
+training is taken out of it) and with the ranks' cores apart (bench/core_split.py: training on
+one core; the agents, Ray, the controller, a mover and the training processes' own host-side
+threads, i.e. the snapshot's copying thread, on the other), the way a GPU node divides its
+work: the devices compute while the host's cores feed host memory. Each row's name says which.
+`--part snapshots|orchestration` runs one part only; `--cores shared|split` one division.
 """
 from __future__ import annotations
 
@@ -133,6 +138,8 @@ def run_ray(root: str, steps: int) -> dict[str, Any]:
 
 
 SNAP_RESOURCES = ["resources.nodes=2", "resources.gpus_per_node=1"]
+HOST_SHARED = "cores shared"
+HOST_SPLIT = "ranks' cores apart"
 
 
 def shm_bytes(job_id: str) -> int:
@@ -224,58 +231,76 @@ def snapshot_runs(root: str, steps: int, pairs: int) -> tuple[list, list, list]:
     return on, off, moved
 
 
-def snapshot_part(root: str, quick: bool, report: Report) -> list[dict[str, Any]]:
+def snapshot_part(root: str, quick: bool, report: Report, split: bool) -> list[dict[str, Any]]:
+    """`split`: the ranks on a core of their own, the rest of the host on the others
+    (bench/core_split.py: the way a GPU node divides its work); the rows' names say which."""
+    from bench.core_split import split_cores
+
     steps, pairs = (30, 3) if quick else (40, 6)
-    on, off, moved = snapshot_runs(root, steps, pairs)
-    runs = [r for trio in zip(on, off, moved) for r in trio]
+    if split:
+        with split_cores() as cores:
+            on, off, moved = snapshot_runs(root, steps, pairs)
+        where = f" [{HOST_SPLIT}]"
+        report.add(f"threads placed{where}", cores.moved, note=f"{len(cores.training_pids)} "
+                   "training processes on core(s) " + ", ".join(map(str, sorted(cores.rank_cores))))
+    else:
+        on, off, moved = snapshot_runs(root, steps, pairs)
+        where = f" [{HOST_SHARED}]"
+    ratio_rows(report, on, off, where)
+    sizes = [b for r in on for b in r["snapshot_bytes"]]
+    held = [r["shm_bytes_held"] / r["world"] for r in on]
+    copies = [c for r in on for c in r["snapshot_copy_s"]]
+    report.add(f"host memory: one rank's snapshot{where}", max(sizes) / 2**20 if sizes else None,
+               unit="MiB", note="from rank 0's first snapshot event of each run; its copy took "
+               f"{statistics.median(copies):.3f} s (median)" if copies else "no snapshot event")
+    report.add(f"host memory held per rank in /dev/shm{where}", max(held) / 2**20, unit="MiB",
+               note=f"measured at the last step: {max(held) / max(sizes or [1]):.2f} x one "
+               f"snapshot (double buffer + the peer's double-buffered replica)")
+    if sizes:
+        floor_rows(report, off, moved, max(sizes), where)
+    return [{**r, "cores": where.strip(" []")} for trio in zip(on, off, moved) for r in trio]
+
+
+def ratio_rows(report: Report, on: list[dict[str, Any]], off: list[dict[str, Any]],
+               where: str) -> None:
+    """Snapshots on ÷ off: tokens/s, the ranks' CPU, the CPU beside them, snapshots taken."""
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(a[key] / b[key] for a, b in zip(on, off))
-        report.add(f"{label} tokens/s: snapshots every step ÷ off", statistics.median(pair),
+        report.add(f"{label} tokens/s: snapshots every step ÷ off{where}", statistics.median(pair),
                    ">= 0.97", f"median of {len(pair)} pairs (range {pair[0]:.3f}-{pair[-1]:.3f}); "
                    f"{statistics.mean(r[key] for r in on):.0f} vs "
                    f"{statistics.mean(r[key] for r in off):.0f} tokens/s")
     cpu = sorted(b["rank_cpu_s_per_step"] / a["rank_cpu_s_per_step"] for a, b in zip(on, off)
                  if "rank_cpu_s_per_step" in a and "rank_cpu_s_per_step" in b)
     if cpu:
-        report.add("rank CPU per step: off ÷ snapshots", statistics.median(cpu),
+        report.add(f"rank CPU per step: off ÷ snapshots{where}", statistics.median(cpu),
                    note=f"rank 0's CPU seconds per step (copy thread included), pairs "
                    f"{cpu[0]:.3f}-{cpu[-1]:.3f}; less load-sensitive than tokens/s")
     extra = sorted(a["orchestration_cpu_s_per_step"] - b["orchestration_cpu_s_per_step"]
                    for a, b in zip(on, off))
     steps_cpu = statistics.mean(r["rank_cpu_s_per_step"] for r in off if "rank_cpu_s_per_step" in r)
-    report.add("CPU outside the ranks per step: snapshots − off", statistics.median(extra),
-               unit="s", note=f"Ray's daemons and the agents (who replicate), pairs "
+    report.add(f"CPU outside the ranks per step: snapshots − off{where}",
+               statistics.median(extra), unit="s", note=f"Ray's daemons and the agents (who replicate), pairs "
                f"{extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs {steps_cpu:.3f} CPU s")
     taken = [r["snapshots_taken"] / max(1, r["snapshot_window_steps"]) for r in on]
-    report.add("snapshots taken per step (steady window)", min(taken),
+    report.add(f"snapshots taken per step (steady window){where}", min(taken),
                note=f"lowest of {len(taken)} runs ({', '.join(f'{t:.2f}' for t in taken)}): "
                "below 1, replicas fell behind and steps went without a snapshot")
-    sizes = [b for r in on for b in r["snapshot_bytes"]]
-    held = [r["shm_bytes_held"] / r["world"] for r in on]
-    copies = [c for r in on for c in r["snapshot_copy_s"]]
-    report.add("host memory: one rank's snapshot", max(sizes) / 2**20 if sizes else None,
-               unit="MiB", note="from rank 0's first snapshot event of each run; its copy took "
-               f"{statistics.median(copies):.3f} s (median)" if copies else "no snapshot event")
-    report.add("host memory held per rank in /dev/shm", max(held) / 2**20, unit="MiB",
-               note=f"measured at the last step: {max(held) / max(sizes or [1]):.2f} x one "
-               f"snapshot (double buffer + the peer's double-buffered replica)")
-    if sizes:
-        floor_rows(report, off, moved, max(sizes))
-    return runs
 
 
 def floor_rows(report: Report, off: list[dict[str, Any]], moved: list[dict[str, Any]],
-               nbytes: int) -> None:
+               nbytes: int, where: str) -> None:
     """What moving the snapshots' bytes costs with no Tenax code (bench/transport_floor.py):
     beside a job, and alone in CPU seconds."""
     from bench.transport_floor import measure
 
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(a[key] / b[key] for a, b in zip(moved, off))
-        report.add(f"{label} tokens/s: off beside the bare moves ÷ off", statistics.median(pair),
+        report.add(f"{label} tokens/s: off beside the bare moves ÷ off{where}",
+                   statistics.median(pair),
                    note=f"median of {len(pair)} pairs (range {pair[0]:.3f}-{pair[-1]:.3f}): "
-                   "the least per-step snapshots with a replica can cost on this host, where "
-                   "the ranks and both nodes' agents share its cores")
+                   "the least per-step snapshots with a replica can cost on this host with its "
+                   "cores divided so")
     floor = measure(nbytes)
     report.add("CPU to move one snapshot, no Tenax code", floor["total_s"], unit="s",
                note=f"{nbytes / 2**20:.1f} MiB: copy + checksum "
@@ -321,6 +346,10 @@ def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str,
 
 def _extra(parser: Any) -> None:
     parser.add_argument("--part", choices=("all", "snapshots", "orchestration"), default="all")
+    parser.add_argument("--cores", choices=("both", "shared", "split"), default="both",
+                        help="snapshot part: the ranks share every core with the agents and "
+                        "Ray (shared), have a core of their own as on a GPU node (split), or "
+                        "one after the other (both)")
 
 
 def main() -> int:
@@ -330,7 +359,9 @@ def main() -> int:
                                "load_avg_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="tenax-overhead-") as root:
         if args.part in ("all", "snapshots"):
-            context["snapshot_runs"] = snapshot_part(root, args.quick, report)
+            context["snapshot_runs"] = []
+            for split in {"shared": [False], "split": [True], "both": [False, True]}[args.cores]:
+                context["snapshot_runs"] += snapshot_part(root, args.quick, report, split)
         if args.part in ("all", "orchestration"):
             context["orchestration_runs"] = orchestration_part(root, args.quick, report)
     context["load_avg_after"] = os.getloadavg()

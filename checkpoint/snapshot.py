@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from checkpoint.background import SNAPSHOT_THREAD, as_background
 from checkpoint.buffer_maps import BufferMaps
 from checkpoint.catalog import spec_hash
 from checkpoint.manifest import METADATA_NAME
@@ -98,17 +99,14 @@ class MemorySnapshotter:
             self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
         if self._worker is None:  # starting a thread per step cost 1-15 ms of this thread
             self._worker = threading.Thread(target=self._serve, daemon=True,
-                                            name="snapshot-copy")
+                                            name=SNAPSHOT_THREAD)
             self._worker.start()
         self._jobs.put((step, partial, planned.file, tensors, planned.metadata_bytes, commit,
                         done, self._finished))
 
     def _serve(self) -> None:
         """The copying thread: low priority, one snapshot at a time, until close()."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError:
-            pass
+        as_background(SNAPSHOT_THREAD, WRITER_NICE)
         while (job := self._jobs.get()) is not None:
             *args, finished = job
             try:

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from checkpoint.background import WRITER_THREAD, as_background
 from checkpoint.catalog import Catalog, version_name
 from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage import MIN_BYTES_PER_S, Storage
@@ -359,10 +360,7 @@ def start_thread(job: SaveJob, stage: Callable[[], list] | None = None) -> Fligh
     flight = Flight(job)
 
     def body() -> None:
-        try:  # Linux: a thread id is a task id, so this lowers only the writer thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError) as exc:
-            logger.debug("cannot lower the writer thread's priority: %s", exc)
+        as_background(WRITER_THREAD, WRITER_NICE)
         if stage is not None:
             try:
                 job.pieces = stage()
