@@ -18,8 +18,12 @@ Checks:
 2. bf16: 60 AdamW steps under bf16 autocast on a learnable synthetic stream: finite losses,
    last 5 mean < 0.7 x first 5 mean.
 3. mfu: `bench/mfu_bench.py` on cuda bf16 with a ~1.3B-parameter model, next to the planner.
-They run as world-1 parity, bf16, mfu, then the 2-rank parity, each skipped when the time
-budget ($GPU_CHECK_BUDGET_S, default 330 s) is spent; the JSON is rewritten after every check.
+4. snapshot copy: `bench/device_snapshot_bench.py`, what a per-step snapshot's device-to-host
+   copy costs a step as `checkpoint/snapshot.py` makes it (`.cpu()`) and asynchronously (a
+   side stream into pinned buffers, fenced on the device); the async copy must be exact.
+They run as world-1 parity, bf16, mfu, snapshot copy, then the 2-rank parity, each skipped
+when the time budget ($GPU_CHECK_BUDGET_S, default 330 s) is spent; the JSON is rewritten
+after every check.
 """
 from __future__ import annotations
 
@@ -297,6 +301,35 @@ def mfu_check(d: Driver) -> None:
           f"{r['measured_matmul_flops'] / 1e12:.3g} TFLOP/s; planner: {r['planner']}")
 
 
+def snapshot_copy_check(d: Driver) -> None:
+    """bench/device_snapshot_bench.py: a snapshot's device-to-host copy, blocking vs async."""
+    path = os.path.join(d.tmp, "device_snapshot.json")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "device_snapshot_bench.py"),
+           "--device", d.device, "--json", path]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        d.log("snapshot copy: timed out after 180 s")
+        d.figures["checks"]["snapshot_copy"] = {"ok": False, "error": "timeout"}
+        return
+    with open(d.log_path, "a") as f:
+        f.write(f"---- snapshot copy output ----\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
+    if not os.path.exists(path):
+        d.log(f"snapshot copy: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        d.figures["checks"]["snapshot_copy"] = {"ok": False, "error": proc.stderr[-2000:]}
+        return
+    with open(path) as f:
+        r = json.load(f)
+    d.figures["checks"]["snapshot_copy"] = {**r, "ok": r["async_copy_exact"]}
+    med = r["median_step_s"]
+    d.log(f"snapshot copy: {r['state_bytes'] / 1e9:.2f} GB of state; median step none "
+          f"{med['none']:.3f} s, blocking .cpu() {med['blocking']:.3f} s, async "
+          f"{med['async']:.3f} s; tokens/s vs none: blocking {r['tokens_per_s_blocking_over_none']:.3f}, async "
+          f"{r['tokens_per_s_async_over_none']:.3f}; async copy exact: {r['async_copy_exact']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -319,7 +352,8 @@ def main() -> int:
     d = Driver(args.out, args.device)
     d.log(f"gpu_check on {args.device}; python {sys.version.split()[0]}")
     # Most valuable first: a run cut short by the host's time limit keeps what it reached.
-    for check in (parity_world1, curve_check, mfu_check, parity_world2):
+    for check in (parity_world1, curve_check, mfu_check, snapshot_copy_check,
+                  parity_world2):
         if d.over_budget(0.95):
             d.log(f"{check.__name__}: skipped (time budget {TOTAL_BUDGET_S} s)")
             continue
