@@ -104,10 +104,8 @@ class CoreSplit:
         me = os.getpid()
         self.moved += _place(me, self.other_cores)
         for pid in descendants(me):
-            training = is_training_process(pid)
-            if training:
+            if is_training_process(pid):
                 self.training_pids.add(pid)
-            if training:
                 self.moved += _place(pid, self.rank_cores, self.other_cores)
             else:
                 self.moved += _place(pid, self.other_cores)

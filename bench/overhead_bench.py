@@ -241,8 +241,9 @@ def snapshot_part(root: str, quick: bool, report: Report, split: bool) -> list[d
         with split_cores() as cores:
             on, off, moved = snapshot_runs(root, steps, pairs)
         where = f" [{HOST_SPLIT}]"
+        on_cores = ", ".join(map(str, sorted(cores.rank_cores)))
         report.add(f"threads placed{where}", cores.moved, note=f"{len(cores.training_pids)} "
-                   "training processes on core(s) " + ", ".join(map(str, sorted(cores.rank_cores))))
+                   f"training processes and forkservers on core(s) {on_cores}")
     else:
         on, off, moved = snapshot_runs(root, steps, pairs)
         where = f" [{HOST_SHARED}]"
@@ -280,8 +281,9 @@ def ratio_rows(report: Report, on: list[dict[str, Any]], off: list[dict[str, Any
                    for a, b in zip(on, off))
     steps_cpu = statistics.mean(r["rank_cpu_s_per_step"] for r in off if "rank_cpu_s_per_step" in r)
     report.add(f"CPU outside the ranks per step: snapshots − off{where}",
-               statistics.median(extra), unit="s", note=f"Ray's daemons and the agents (who replicate), pairs "
-               f"{extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs {steps_cpu:.3f} CPU s")
+               statistics.median(extra), unit="s", note="Ray's daemons and the agents (who "
+               f"replicate), pairs {extra[0]:.4f}-{extra[-1]:.4f}; a rank's step costs "
+               f"{steps_cpu:.3f} CPU s")
     taken = [r["snapshots_taken"] / max(1, r["snapshot_window_steps"]) for r in on]
     report.add(f"snapshots taken per step (steady window){where}", min(taken),
                note=f"lowest of {len(taken)} runs ({', '.join(f'{t:.2f}' for t in taken)}): "
