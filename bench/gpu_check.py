@@ -274,25 +274,36 @@ def curve_check(d: Driver) -> None:
           + " ".join(f"{v:.3f}" for v in r["losses"][::5]))
 
 
-def mfu_check(d: Driver) -> None:
-    path = os.path.join(d.tmp, "mfu.json")
+def run_script(d: Driver, key: str, script: str, args: list[str],
+               exits: tuple[int, ...] = (0,)) -> dict[str, Any] | None:
+    """Run bench/`script` with `args` + `--json PATH` (180 s at most); its JSON, or None after
+    recording the failure under checks[`key`]. `exits`: the exit codes that still leave a
+    result (a script may write its figures and exit 1 for a failed check)."""
+    path = os.path.join(d.tmp, f"{key}.json")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mfu_bench.py"),
-           "--device", d.device, "--steps", "10" if d.device == "cuda" else "3", "--json", path]
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script),
+           *args, "--json", path]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
-        d.log("mfu: timed out after 180 s")
-        d.figures["checks"]["mfu"] = {"ok": False, "error": "timeout"}
-        return
+        d.log(f"{key}: timed out after 180 s")
+        d.figures["checks"][key] = {"ok": False, "error": "timeout"}
+        return None
     with open(d.log_path, "a") as f:
-        f.write(f"---- mfu output ----\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
-    if proc.returncode != 0:
-        d.log(f"mfu: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-        d.figures["checks"]["mfu"] = {"ok": False, "error": proc.stderr[-2000:]}
-        return
+        f.write(f"---- {key} output ----\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
+    if proc.returncode not in exits or not os.path.exists(path):
+        d.log(f"{key}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        d.figures["checks"][key] = {"ok": False, "error": proc.stderr[-2000:]}
+        return None
     with open(path) as f:
-        r = json.load(f)
+        return json.load(f)
+
+
+def mfu_check(d: Driver) -> None:
+    r = run_script(d, "mfu", "mfu_bench.py",
+                   ["--device", d.device, "--steps", "10" if d.device == "cuda" else "3"])
+    if r is None:
+        return
     d.figures["checks"]["mfu"] = {**r, "ok": r["loss_finite"]}
     d.log(f"mfu: {r['device_name']} {r['dtype']} {r['params'] / 1e9:.2f}B params, median step "
           f"{r['median_step_s']:.3f} s, {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.3f} of "
@@ -302,31 +313,18 @@ def mfu_check(d: Driver) -> None:
 
 
 def snapshot_copy_check(d: Driver) -> None:
-    """bench/device_snapshot_bench.py: a snapshot's device-to-host copy, blocking vs async."""
-    path = os.path.join(d.tmp, "device_snapshot.json")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                        "device_snapshot_bench.py"),
-           "--device", d.device, "--json", path]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        d.log("snapshot copy: timed out after 180 s")
-        d.figures["checks"]["snapshot_copy"] = {"ok": False, "error": "timeout"}
+    """bench/device_snapshot_bench.py: a snapshot's device-to-host copy, blocking vs async
+    (it exits 1, with its figures written, when the async copy is not exact)."""
+    r = run_script(d, "snapshot_copy", "device_snapshot_bench.py", ["--device", d.device],
+                   exits=(0, 1))
+    if r is None:
         return
-    with open(d.log_path, "a") as f:
-        f.write(f"---- snapshot copy output ----\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
-    if not os.path.exists(path):
-        d.log(f"snapshot copy: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-        d.figures["checks"]["snapshot_copy"] = {"ok": False, "error": proc.stderr[-2000:]}
-        return
-    with open(path) as f:
-        r = json.load(f)
     d.figures["checks"]["snapshot_copy"] = {**r, "ok": r["async_copy_exact"]}
     med = r["median_step_s"]
     d.log(f"snapshot copy: {r['state_bytes'] / 1e9:.2f} GB of state; median step none "
           f"{med['none']:.3f} s, blocking .cpu() {med['blocking']:.3f} s, async "
-          f"{med['async']:.3f} s; tokens/s vs none: blocking {r['tokens_per_s_blocking_over_none']:.3f}, async "
+          f"{med['async']:.3f} s; tokens/s vs none: blocking "
+          f"{r['tokens_per_s_blocking_over_none']:.3f}, async "
           f"{r['tokens_per_s_async_over_none']:.3f}; async copy exact: {r['async_copy_exact']}")
 
 
