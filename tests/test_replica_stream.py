@@ -181,6 +181,23 @@ def test_garbage_on_the_port_is_refused(pair):
     assert _held(receiver) == set()
 
 
+def test_a_refusal_ends_the_stream_cleanly_while_the_sender_still_has_bytes_in_flight(pair):
+    """The receiver refuses after the first 8 bytes; closing with the rest unread would reset
+    the connection, and a reset can overtake the refusal (12 of 4000 tries lost it). It ends
+    its side after the reason and drops the rest until the sender closes: the sender reads the
+    reason, then a clean end of stream, never a reset."""
+    receiver, _ = pair
+    endpoint = receiver.endpoint("127.0.0.1")
+    with socket.create_connection((endpoint.host, endpoint.port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100_000)  # and keeps its side open
+        reply = b""
+        while chunk := sock.recv(4096):  # a reset raises ConnectionResetError here
+            reply += chunk
+        sock.shutdown(socket.SHUT_WR)  # the receiver is still reading: no reset came (ENOTCONN)
+    assert reply.startswith(b"NO") and b"bad magic" in reply
+    assert _held(receiver) == set()
+
+
 def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypatch):
     monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
     keeper = SnapshotKeeper()

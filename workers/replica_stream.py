@@ -30,6 +30,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -43,6 +44,8 @@ MAX_HEADER_BYTES = 1 << 20
 IO_TIMEOUT_S = 30.0  # one stalled read or write: the sender is gone or the link is dead
 MAX_REASON_BYTES = 4096
 MAX_CONNECTIONS = 32  # at once; a peer sends one snapshot at a time, so more is not a peer
+DRAIN_BYTES = 1 << 20  # after a refusal, at most this much of the rest of a stream is read
+DRAIN_TIMEOUT_S = 2.0
 # Arrived bytes are checksummed once this many have gathered: well inside a core's cache, and
 # large enough that the per-call cost of the checksum does not count.
 CRC_STRETCH = 256 << 10
@@ -82,6 +85,21 @@ def recv_checksummed(sock: socket.socket, view: memoryview) -> int:
         if got - done >= CRC_STRETCH or got == len(view):
             crc, done = crc32c_of([view[done:got]], crc), got
     return crc
+
+
+def _drain(sock: socket.socket, limit: int = DRAIN_BYTES,
+           timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Read and drop what the peer still sends until it closes its side, within `limit` bytes
+    and `timeout_s`. Why: closing a socket with unread bytes in it resets the connection, and
+    the reset can reach the peer before the refusal it was sent, which then reads a dead
+    socket instead of the reason (12 of 4000 refusals of a short junk stream on loopback)."""
+    deadline = time.monotonic() + timeout_s
+    while limit > 0 and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        chunk = sock.recv(min(limit, 1 << 16))
+        if not chunk:
+            return
+        limit -= len(chunk)
 
 
 @contextmanager
@@ -136,6 +154,8 @@ class ReplicaReceiver:
                 logger.warning("replica not taken: %s", reason)
                 try:
                     conn.sendall(b"NO" + reason.encode()[:MAX_REASON_BYTES])
+                    conn.shutdown(socket.SHUT_WR)
+                    _drain(conn)
                 except OSError:
                     pass
 
