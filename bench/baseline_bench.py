@@ -5,7 +5,7 @@
 Why: users compare Tenax with the script they would write themselves. The baseline is
 `bench/plain_torch_train.py` under torchrun (torch's C++ DDP reducer, AdamW, DCP async save
 every 10 steps); Tenax runs the same shape (dim 256, 4 layers, 8 heads, vocab 512, seq 128,
-global batch 16, AdamW, a checkpoint every 10 steps) through `python -m workers.launch`, with
+global batch 16, AdamW, a checkpoint every 10 steps) through `python -m tenax.workers.launch`, with
 one micro-batch per rank (the same matmul sizes as DDP) and ZeRO 0 (DDP's own sharding). Runs
 are interleaved (plain, Tenax, plain, Tenax, ...) so a noisy shared host hits both alike; each
 run's median step (wall time between consecutive step ends at rank 0, checkpoint steps
@@ -59,7 +59,7 @@ def run_tenax(world: int, steps: int, tmp: str, zero: int) -> tuple[float, float
             "train.warmup_steps=0", f"checkpoint.every_steps={EVERY}",
             f"checkpoint.uri=file://{tempfile.mkdtemp(dir=tmp)}", "resources.device=cpu",
             "resources.nodes=1", f"resources.gpus_per_node={world}"]
-    cmd = [sys.executable, "-m", "workers.launch", "--nproc", str(world), "--log-json", log]
+    cmd = [sys.executable, "-m", "tenax.workers.launch", "--nproc", str(world), "--log-json", log]
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=900)
@@ -102,7 +102,7 @@ def main() -> int:
         for world in (int(w) for w in args.worlds.split(",")):
             r = measure(world, steps, reps, tmp)
             results[world] = r
-            report.add(f"tokens/s Tenax (workers.launch, zero 0) ÷ plain DDP, {world} ranks",
+            report.add(f"tokens/s Tenax (tenax.workers.launch, zero 0) ÷ plain DDP, {world} ranks",
                        r["ratio"], f">= {GOALS.get(world, 0.95)}",
                        f"median steps plain {statistics.median(p[0] for p in r['plain']):.3f} s, "
                        f"Tenax {statistics.median(t[0] for t in r['tenax']):.3f} s; per rep "

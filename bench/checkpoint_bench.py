@@ -11,7 +11,7 @@ on a separate gloo group) saves the same dp2 ZeRO-1
 state in the same processes, right after the same steady-state measurement, so the ratios are
 comparable. Loads compare the same layout with resharding into tp2 and into dp2 ZeRO-3.
 
-Goals (issue 5): async blocked ÷ sync blocked ≤ 0.05; step time while writing ÷ steady ≤ 1.10;
+Goals: async blocked ÷ sync blocked ≤ 0.05; step time while writing ÷ steady ≤ 1.10;
 reshard-load ÷ same-layout load ≤ 1.5.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from typing import Any
-
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ MAX_STEPS_DURING = 40  # a write still in flight after this many steps is report
 
 
 def _spec(quick: bool, uri: str):
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     dims = {**(QUICK if quick else FULL), **COMMON, "checkpoint.uri": uri}
     return load_spec(overrides=[f"{k}={v}" for k, v in dims.items()])
@@ -98,7 +97,7 @@ class _DcpThread:
     def save(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from checkpoint.reshard import training_state
+        from tenax.checkpoint.load.reshard import training_state
 
         self.future = dcp.async_save(training_state(self.trainer),
                                      checkpoint_id=f"{self.root}/dcp-{step}",
@@ -142,7 +141,7 @@ def _measure_save(trainer: Any, saver: Any) -> dict[str, Any]:
 
 
 def _make_saver(trainer: Any, spec: Any, rank: int, world: int, writer: str, root: str) -> Any:
-    from checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.manager import CheckpointManager
 
     if writer == "dcp-thread":
         return _DcpThread(trainer, root)
@@ -154,7 +153,7 @@ def _make_saver(trainer: Any, spec: Any, rank: int, world: int, writer: str, roo
 
 
 def _save_once(trainer: Any, saver: Any, writer: str) -> dict[str, Any]:
-    import checkpoint.writer as writer_mod
+    import tenax.checkpoint.save.writer as writer_mod
 
     nice = writer_mod.WRITER_NICE
     if writer == "thread-nice0":  # ablation: the same writer without lowering its priority
@@ -184,9 +183,9 @@ def _run_writers(trainer: Any, spec: Any, rank: int, world: int, root: str, reps
 
 
 def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, float]:
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     out = {}
     for name, layout in (("same_dp2_zero1", dict(dp=2, zero=1)), ("reshard_tp2", dict(tp=2)),
@@ -208,9 +207,9 @@ def bench_rank(rank: int, world: int, port: int, cfg: dict[str, Any], root: str,
                queue: Any) -> None:
     import torch
 
-    from parallel.layout import ParallelLayout
-    from workers.launch import join_process_group, leave_process_group
-    from workers.trainer import Trainer
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.launch import join_process_group, leave_process_group
+    from tenax.workers.trainer import Trainer
 
     try:
         torch.set_num_threads(1)
@@ -273,7 +272,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 def run(quick: bool, timeout_s: float, reps: int = 0,
         writers: tuple[str, ...] = WRITERS) -> dict[str, Any]:
-    from workers.launch import free_port
+    from tenax.workers.launch import free_port
 
     root = tempfile.mkdtemp(prefix="tenax-ckpt-bench-")
     ctx = mp.get_context("spawn")

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def bench_env() -> None:
     """Loopback-only Ray and gloo; call before importing ray."""
-    from orchestrator.loopback import loopback_env
+    from tenax.orchestrator.loopback import loopback_env
 
     loopback_env()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -103,8 +103,8 @@ class TimedJob:
     it, and raw rank records (e.g. `started`, which carries `resumed_from`) are kept as well."""
 
     def __init__(self, spec: Any, chaos: str | None = None) -> None:
-        from orchestrator.chaos import parse_chaos
-        from orchestrator.controller import Controller
+        from tenax.orchestrator.chaos.faults import parse_chaos
+        from tenax.orchestrator.job.controller import Controller
 
         self.spec = spec
         self.events: list[dict[str, Any]] = []
@@ -250,9 +250,9 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def snapshot_leftovers(job_prefix: str) -> list[str]:
-    """In-memory snapshot directories (checkpoint/snapshot_store.py) of jobs whose id starts
+    """In-memory snapshot directories (checkpoint/memory/snapshot_store.py) of jobs whose id starts
     with `job_prefix` that are still on this host: a finished job must leave none."""
-    from checkpoint.snapshot_store import snapshot_root
+    from tenax.checkpoint.memory.snapshot_store import snapshot_root
 
     root = snapshot_root()
     try:

@@ -10,7 +10,7 @@ node's division of labour: every thread of every training process (the forkserve
 of the rank actors, and the forkservers themselves) is confined to the first `rank_cores`
 cores, every other thread under this driver (Ray's daemons, the agents, the controller, a
 `transport_floor.mover`) to the rest, and so are the training processes' own host-side
-threads (HOST_SIDE_THREADS, named by checkpoint/background.py: the snapshot's copying thread
+threads (HOST_SIDE_THREADS, named by checkpoint/save/background.py: the snapshot's copying thread
 and the checkpoint writer), which on a GPU node issue the device-to-host copy and checksum the
 host buffer on whichever host core is free. What a snapshot still costs on the ranks' cores is
 what it would cost the training loop on a GPU node: planning it, the one all-reduce per
@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from checkpoint.background import SNAPSHOT_THREAD, WRITER_THREAD, os_thread_name
+from tenax.checkpoint.save.background import SNAPSHOT_THREAD, WRITER_THREAD, os_thread_name
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What a per-step snapshot's device-to-host copy costs a training step, done as today and done
-asynchronously (issue 13; one of `gpu_check.sh`'s checks on a lent GPU, a smoke run on CPU).
+asynchronously (one of `gpu_check.sh`'s checks on a lent GPU, a smoke run on CPU).
 
     PYTHONPATH=. python bench/device_snapshot_bench.py [--device cuda|cpu] [--size smoke|gpu]
                                                        [--steps N] [--reps R] [--json PATH]
@@ -7,7 +7,7 @@ asynchronously (issue 13; one of `gpu_check.sh`'s checks on a lent GPU, a smoke 
 Why: on a GPU node the host's cores are free while the device computes, so the host-side part
 of a snapshot (copying thread, agents, replica) costs training nothing measurable
 (bench/overhead_bench.py --cores split). What is left is the first move, device to host.
-`checkpoint/snapshot.py` makes it with `.cpu()` on the training thread, which blocks it for the
+`checkpoint/memory/snapshot.py` makes it with `.cpu()` on the training thread, which blocks it for the
 whole transfer at every step. The candidate fix copies on a side stream into pinned host
 buffers kept between steps, and makes the training stream, not the host, wait for that copy
 before the next optimizer step (the state changes nowhere else). This measures both against
@@ -52,7 +52,7 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class BlockingCopy:
-    """What checkpoint/snapshot.py does today: `.cpu()` on the training thread."""
+    """What checkpoint/memory/snapshot.py does today: `.cpu()` on the training thread."""
 
     def after_step(self, tensors: list[torch.Tensor]) -> None:
         self.host = [t.cpu() if t.is_cuda else t.clone() for t in tensors]

@@ -13,7 +13,7 @@ Figures:
   from controller start to `done` (goal >= 0.95). On a shared host the two runs see different
   speeds, so the same ratio is also given host-speed normalized: Σ step time of the committed
   steps ÷ wall, faulted ÷ clean;
-- goodput: productive ÷ wall time from the controller's own accounting (orchestrator/goodput.py)
+- goodput: productive ÷ wall time from the controller's own accounting (orchestrator/job/goodput.py)
   for both runs, and their ratio (goal >= 0.95);
 - step efficiency: committed steps ÷ steps computed (redone steps after a rollback count as
   computed but not committed);
@@ -31,8 +31,8 @@ A short warm-up job runs first and is not measured: the first job of a Ray sessi
 agents from the worker processes Ray prestarted at init (actor start 0.8 s vs 1.6 s for every
 later job), and the clean run, always first, started 1.2-2.7 s sooner than the faulted one in
 most invocations: a bias against the faulted run of up to 0.05 on the ratios, unrelated to
-faults. The warm-up removes that part; the faulted run still often starts later (bench/README,
-stop 25).
+faults. The warm-up removes that part; the faulted run still often starts later (see the
+history in bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -131,8 +131,8 @@ def fault_cost(stalls_s: list[float], lost_steps: int, step_s: float) -> float:
     the resume. With one step redone that first record is step N again, so the stall is the
     whole delay (the clean run had step N at the stall's start; the redo is inside it). With
     none redone it is step N+1, which the clean run also spent a step on; with k redone, the
-    k-1 steps after the first are not in it. (Before stop 27 this added every redone step to
-    the stall, counting the first one twice: ~0.4 s per fault too much.)"""
+    k-1 steps after the first are not in it. (Adding every redone step to the stall would
+    count the first one twice: ~0.4 s per fault too much.)"""
     n = len(stalls_s)
     return (sum(stalls_s) + (lost_steps - n) * step_s) / n
 

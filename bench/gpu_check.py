@@ -5,7 +5,7 @@
 Why this shape: a lent GPU host has torch but no Ray, pydantic or network, and a few minutes of
 time; so every check is a subprocess of this file (a crash or NCCL hang costs one check, not
 the run, and a per-check deadline bounds it), it imports only the engine (`parallel/`,
-`workers.launch`) and `bench/mfu_bench.py`, and it writes everything to DIR/gpu_check.log and
+`tenax.workers.launch`) and `bench/mfu_bench.py`, and it writes everything to DIR/gpu_check.log and
 the figures to DIR/gpu_check.json. `--device cpu` runs the same checks on gloo/CPU with small
 sizes (the dry run CI can afford).
 
@@ -19,7 +19,7 @@ Checks:
    last 5 mean < 0.7 x first 5 mean.
 3. mfu: `bench/mfu_bench.py` on cuda bf16 with a ~1.3B-parameter model, next to the planner.
 4. snapshot copy: `bench/device_snapshot_bench.py`, what a per-step snapshot's device-to-host
-   copy costs a step as `checkpoint/snapshot.py` makes it (`.cpu()`) and asynchronously (a
+   copy costs a step as `checkpoint/memory/snapshot.py` makes it (`.cpu()`) and asynchronously (a
    side stream into pinned buffers, fenced on the device); the async copy must be exact.
 They run as world-1 parity, bf16, mfu, snapshot copy, then the 2-rank parity, each skipped
 when the time budget ($GPU_CHECK_BUDGET_S, default 330 s) is spent; the JSON is rewritten
@@ -54,7 +54,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from workers.launch import join_process_group
+    from tenax.workers.launch import join_process_group
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -75,7 +75,7 @@ def _parity(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from bench.mfu_bench import EngineLoop, model_config, synthetic_batch
-    from parallel.model import canonical_param_name
+    from tenax.parallel.model import canonical_param_name
 
     cfg = model_config(PARITY_MODEL)
     rows = GLOBAL_BATCH // args.world
@@ -147,7 +147,7 @@ class Driver:
     def spawn(self, name: str, world: int, extra: list[str], timeout_s: float = WORKER_TIMEOUT_S
               ) -> list[dict[str, Any]] | str:
         """Run `world` worker processes; their results by rank, or a one-line failure."""
-        from workers.launch import free_port
+        from tenax.workers.launch import free_port
 
         port, procs, paths = free_port(), [], []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(),

@@ -3,7 +3,7 @@
     python bench/mfu_bench.py [--device cpu|cuda] [--dtype float32|bfloat16] [--size smoke|gpu]
                               [--steps N] [--peak-flops F] [--json PATH]
 
-What runs: the real engine path (`parallel.parallelize`: model built on meta, initialised from
+What runs: the real engine path (`tenax.parallel.parallelize`: model built on meta, initialised from
 the seed, the hand-written DataParallel over a one-rank group) and the trainer's step recipe
 (micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW, after_optimizer_step).
 It deliberately imports nothing from orchestrator/ (no pydantic, no Ray) so it also runs on a
@@ -13,7 +13,7 @@ MFU = model FLOPs per token x tokens/s / peak, with FLOPs per token from
 `cost_model.train_flops_per_token` (6N + 12·L·h·s: matmuls plus attention scores), the same
 count the planner uses. Peak: on CPU a measured fp32 matmul rate (a smoke test: the figure
 says how much of the machine's own matmul speed a training step keeps); on a GPU the vendor's
-dense bf16 figure for the recognised card (`parallel.hardware`), else a measured bf16 matmul.
+dense bf16 figure for the recognised card (`tenax.parallel.hardware`), else a measured bf16 matmul.
 The planner's prediction for one GPU is its assumed sustained efficiency times the compute
 share of its step-time estimate.
 """
@@ -48,7 +48,7 @@ MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len
 
 def model_config(dims: dict[str, int]) -> Any:
     """The engine's plain model config (the engine never sees the pydantic spec)."""
-    from parallel.config import ModelArgs
+    from tenax.parallel.config import ModelArgs
 
     return ModelArgs(**{k: dims[k] for k in MODEL_KEYS})
 
@@ -69,8 +69,8 @@ class EngineLoop:
     parts: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from parallel.layout import ParallelLayout
-        from parallel.parallelize import parallelize
+        from tenax.parallel.layout import ParallelLayout
+        from tenax.parallel.parallelize import parallelize
 
         self.layout = ParallelLayout(dp=self.dp, zero=self.zero, micro_batch_size=self.micro_batch)
         self.mesh = self.layout.build_mesh(self.device.type)
@@ -88,7 +88,7 @@ class EngineLoop:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on this rank's [micro*accum, seq] slice; the global mean loss."""
-        from parallel.model import cross_entropy_sum
+        from tenax.parallel.model import cross_entropy_sum
 
         for dp in self.pm.dps:
             dp.zero_grad()
@@ -154,7 +154,7 @@ def vendor_peak(device: torch.device) -> tuple[float, str]:
     if device.type != "cuda":
         return 0.0, ""
     try:
-        from parallel.hardware import gpu_from_device_name
+        from tenax.parallel.hardware import gpu_from_device_name
     except ImportError:
         return 0.0, ""
     gpu = gpu_from_device_name(torch.cuda.get_device_name(device))
@@ -163,8 +163,8 @@ def vendor_peak(device: torch.device) -> tuple[float, str]:
 
 def planner_prediction(cfg: Any, loop: EngineLoop, peak: float, gpu_mem_gib: float) -> dict[str, Any]:
     """The planner's estimate for this model pinned to one GPU and this micro-batch."""
-    from parallel.cost_model import FP32_ADAMW
-    from parallel.planner import plan_layout
+    from tenax.parallel.cost_model import FP32_ADAMW
+    from tenax.parallel.planner import plan_layout
 
     fixed = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": loop.zero,
              "micro_batch_size": loop.micro_batch}
@@ -183,7 +183,7 @@ def planner_prediction(cfg: Any, loop: EngineLoop, peak: float, gpu_mem_gib: flo
 def run_mfu(device: torch.device, dtype: str, size: str, steps: int, warmup: int,
             peak_flops: float | None) -> dict[str, Any]:
     """Build the engine on a one-rank group, time `steps` steps after `warmup`; the figures."""
-    from parallel.cost_model import train_flops_per_token
+    from tenax.parallel.cost_model import train_flops_per_token
 
     dims = SIZES[size]
     cfg = model_config(dims)
@@ -225,7 +225,7 @@ def run_mfu(device: torch.device, dtype: str, size: str, steps: int, warmup: int
 
 def one_rank_group(device: torch.device) -> None:
     """A world-size-1 process group on loopback (nccl on cuda, gloo on cpu)."""
-    from workers.launch import free_port, join_process_group
+    from tenax.workers.launch import free_port, join_process_group
 
     if dist.is_initialized():
         return

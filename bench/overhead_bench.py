@@ -2,10 +2,10 @@
 
     python -m bench.overhead_bench [--quick] [--json PATH]
 
-Why this comparison. Both sides run the same per-rank code (`workers.launch.run_rank`), the same
+Why this comparison. Both sides run the same per-rank code (`tenax.workers.launch.run_rank`), the same
 model, layout (pinned dp2 zero1 on 2 ranks), data and checkpoint settings, for the same number
 of steps; the only difference is what sits around the ranks: on one side `python -m
-workers.launch` (two spawned processes and a queue), on the other the Tenax stack (Ray head and
+tenax.workers.launch` (two spawned processes and a queue), on the other the Tenax stack (Ray head and
 raylet, a rank actor per slot with a forkserver child, heartbeat polling by the controller,
 chaos hooks, event pipes). So the ratio is the price of orchestration (goal >= 0.95).
 
@@ -23,7 +23,7 @@ the back-to-back pairs so that drift of the shared host hits both sides alike. F
   of what other tenants of the host do.
 Checkpoints are written only at the last step (their cost is bench/checkpoint_bench.py's job).
 
-Part 2, in-memory snapshots (issue 13): the same job under the controller with per-step
+Part 2, in-memory snapshots: the same job under the controller with per-step
 snapshots (`checkpoint.memory_every_steps=1`, the default) ÷ without (`=0`), goal >= 0.97.
 Two logical nodes x 1 slot on one local Ray, so each step's snapshot is also replicated to the
 other node's agent: the whole cost (plan, copy into /dev/shm off the critical path, fence at
@@ -85,8 +85,8 @@ def summarize(steps: list[dict[str, Any]], side: str) -> dict[str, Any]:
 
 
 def run_bare(root: str, steps: int) -> dict[str, Any]:
-    from workers.launch import launch
-    from workers.spec import layout_from_spec
+    from tenax.workers.launch import launch
+    from tenax.workers.spec import layout_from_spec
 
     spec = _spec(root, steps, "overhead-bare")
     layout = layout_from_spec(spec, spec.resources.world_size)
@@ -144,7 +144,7 @@ HOST_SPLIT = "ranks' cores apart"
 
 def shm_bytes(job_id: str) -> int:
     """Bytes under the job's snapshot directory on this host (local + replica + restore)."""
-    from checkpoint.snapshot_store import snapshot_root
+    from tenax.checkpoint.memory.snapshot_store import snapshot_root
 
     total = 0
     for base, _, files in os.walk(os.path.join(snapshot_root(), job_id)):

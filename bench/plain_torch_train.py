@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc_per_node N bench/plain_torch_train.py \
         --steps S --ckpt-dir DIR --json OUT
 
-What a careful user writes without Tenax: the same decoder (parallel.model, so the model code
+What a careful user writes without Tenax: the same decoder (tenax.parallel.model, so the model code
 costs the same on both sides), torch's C++ `DistributedDataParallel`, fused-by-default AdamW,
 random tokens of the same shape, a DCP async save every `--every` steps (waiting for the
 previous one first). Rank 0 records the wall time at the end of every step; the bench compares
@@ -45,8 +45,8 @@ def main() -> int:
     # async_save's collectives run in a background thread: on the training group they would
     # interleave with DDP's all-reduces (a hang), so checkpoints get a group of their own.
     ckpt_group = dist.new_group(backend="gloo")
-    from parallel.config import ModelArgs
-    from parallel.model import build_model
+    from tenax.parallel.config import ModelArgs
+    from tenax.parallel.model import build_model
 
     cfg = ModelArgs(**SHAPE)
     model = DistributedDataParallel(build_model(cfg, seed=0))

@@ -5,7 +5,7 @@
 Why: the planner ranks layouts with closed-form comm and memory formulas (parallel/cost_model.py);
 if a formula is off for one parallelism, the planner picks the wrong layout after every
 failure. So every parallelism runs one real training step on gloo ranks of the real engine
-(`workers.trainer.Trainer`) and its collectives are counted:
+(`tenax.workers.trainer.Trainer`) and its collectives are counted:
 - `CommCounter` (a TorchDispatchMode) sees every collective's input tensor; per-rank wire bytes
   follow the same ring conventions the cost model states (all-reduce 2(N-1)/N x input,
   all-gather (N-1) x its shard input, reduce-scatter (N-1)/N x input, send = input);
@@ -90,7 +90,7 @@ def _group_size(func: Any, args: tuple, kwargs: dict | None) -> int:
 
 
 def _detailed_counter() -> Any:
-    from parallel.comm_counter import CommCounter, collective_kind
+    from tenax.parallel.comm_counter import CommCounter, collective_kind
 
     @dataclass
     class DetailedCounter(CommCounter):
@@ -126,7 +126,7 @@ def _detailed_counter() -> Any:
 
 
 def _memory(trainer: Any, zero: int) -> dict[str, int]:
-    from parallel.data_parallel import local
+    from tenax.parallel.data_parallel import local
 
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = sum(nbytes(local(p)) for p in trainer.pm.parameters())
@@ -155,10 +155,10 @@ def _watch_accumulated_grads(trainer: Any) -> dict[str, int]:
 
 def measure_config(layout: dict[str, Any], extra: list[str]) -> dict[str, Any]:
     """One warm-up step, then one counted step of `layout` (runs on every rank)."""
-    from orchestrator.spec import load_spec
-    from parallel.expert_parallel import is_expert_param, moe_layers
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.orchestrator.spec import load_spec
+    from tenax.parallel.expert_parallel import is_expert_param, moe_layers
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = load_spec(overrides=TINY + extra)
     trainer = Trainer(spec, ParallelLayout(**{"micro_batch_size": 1, **layout}))
@@ -195,7 +195,7 @@ def _rank_main(rank: int, world: int, port: int, configs: list, q: Any) -> None:
     try:
         import torch
 
-        from workers.launch import join_process_group, leave_process_group
+        from tenax.workers.launch import join_process_group, leave_process_group
 
         torch.set_num_threads(1)
         join_process_group(rank, world, "127.0.0.1", port, 120.0)
@@ -208,7 +208,7 @@ def _rank_main(rank: int, world: int, port: int, configs: list, q: Any) -> None:
 
 def run_group(world: int, configs: list, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Run `configs` on `world` fresh gloo ranks; results by rank (raises with tracebacks)."""
-    from workers.launch import free_port
+    from tenax.workers.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -242,13 +242,13 @@ def wire(comm: dict[str, dict[str, Any]], kinds: tuple[str, ...]) -> float:
 
 
 def spec_of(extra: list[str]) -> Any:
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     return load_spec(overrides=TINY + extra)
 
 
 def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
-    from parallel.cost_model import cp_comm, dp_comm, pp_comm, tp_comm
+    from tenax.parallel.cost_model import cp_comm, dp_comm, pp_comm, tp_comm
 
     s = spec_of([])
     m, gb = s.model, s.train.global_batch_size
@@ -285,7 +285,7 @@ def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def dp_comm_rows(report: Report, results: dict[str, list[dict[str, Any]]]) -> None:
-    from parallel.cost_model import dp_comm
+    from tenax.parallel.cost_model import dp_comm
 
     for name, runs in results.items():
         if not name.startswith("dp"):
@@ -298,7 +298,7 @@ def dp_comm_rows(report: Report, results: dict[str, list[dict[str, Any]]]) -> No
 
 
 def ep_rows(report: Report, runs: list[dict[str, Any]]) -> None:
-    from parallel.cost_model import ep_comm
+    from tenax.parallel.cost_model import ep_comm
 
     s = spec_of([MOE])
     m, n = s.model, 2
@@ -318,7 +318,7 @@ def ep_rows(report: Report, runs: list[dict[str, Any]]) -> None:
 
 
 def memory_rows(report: Report, results: dict[str, list[dict[str, Any]]]) -> None:
-    from parallel.cost_model import FP32_ADAMW, model_state_memory
+    from tenax.parallel.cost_model import FP32_ADAMW, model_state_memory
 
     for name, runs in results.items():
         if name == "tp2 L3":

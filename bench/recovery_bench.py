@@ -40,8 +40,8 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args,
-                          ratio, ray_cluster, snapshot_leftovers)
+from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args, ratio, ray_cluster,
+                          snapshot_leftovers)
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def main() -> int:
     args = parse_args(__doc__)
     report = Report("Recovery: detection and resume, measured side by side")
     decisions = Decisions()
-    source_log = logging.getLogger("orchestrator.memory_recovery")
+    source_log = logging.getLogger("tenax.orchestrator.placement.recovery")
     source_log.addHandler(decisions)
     source_log.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="tenax-recovery-") as root:

@@ -2,7 +2,7 @@
 
     python -m bench.restore_bench [--quick] [--reps N] [--no-s3] [--json PATH]
 
-Why: issue 13's in-memory snapshots are only worth their host RAM if resuming from them is much
+Why: in-memory snapshots are only worth their host RAM if resuming from them is much
 faster than resuming from the storage checkpoint of the same step (expect well below 1). Both
 copies of step 1 come from the same processes: a dp2 ZeRO-1 trainer takes one step, then
 `CheckpointManager.save(1)` writes storage and `MemorySnapshotter.snapshot(1)` the per-rank
@@ -10,7 +10,7 @@ snapshot into tmpfs (/dev/shm: what each rank's agent holds). Then, in fresh pro
 same layout (and, as a second pair, resharded into tp2), reps alternate the sources:
 - memory: rank 0 verifies every rank's piece where it lies (size + crc32c, what the agents'
   `locate` does) and assembles them into a committed version under /dev/shm by hard-linking
-  them (checkpoint/restore.py, what the agent of a node holding the pieces does; pieces from
+  them (checkpoint/memory/restore.py, what the agent of a node holding the pieces does; pieces from
   another node would be copied), then every rank runs `load(source_uri=<that>)`;
 - storage: every rank runs `load()` from checkpoint.uri: a local-disk `file://` directory,
   timed *warm* (its files still in the page cache: the node that wrote it, moments later) and
@@ -44,7 +44,7 @@ GENERATION = 1
 
 
 def _spec(dims: list[str], uri: str) -> Any:
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     return load_spec(overrides=dims + COMMON + [f"checkpoint.uri={uri}"])
 
@@ -52,11 +52,11 @@ def _spec(dims: list[str], uri: str) -> Any:
 def save_both_job(rank: int, world: int, root: str, dims: list[str],
                   snaps: str) -> dict[str, Any]:
     """One dp2 ZeRO-1 step, then step 1 to storage and to this rank's snapshot directory."""
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.planning import all_ranks_agree
-    from checkpoint.snapshot import MemorySnapshotter
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = _spec(dims, f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
@@ -87,8 +87,8 @@ def _drop_page_cache(path: str) -> None:
 def _assemble(snaps: str, world: int, rep: int) -> tuple[str, float]:
     """Verify every rank's piece where it lies (checksums) and commit them as one version in
     /dev/shm, linking the pieces: what an agent does for pieces held on its own node."""
-    from checkpoint.restore import assemble_version
-    from checkpoint.snapshot_store import SnapshotDir, snapshot_root
+    from tenax.checkpoint.memory.restore import assemble_version
+    from tenax.checkpoint.memory.snapshot_store import SnapshotDir, snapshot_root
 
     t0 = time.perf_counter()
     pieces = []
@@ -116,9 +116,9 @@ def load_reps_job(rank: int, world: int, root: str, dims: list[str], layout: dic
     """Alternate memory / storage (warm, cold, s3) loads of step 1 into `layout`."""
     import torch.distributed as dist
 
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = _spec(dims, f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
@@ -161,7 +161,7 @@ def _memory_rep(mgr: Any, rank: int, world: int, snaps: str, rep: int,
 
 def _tmpfs() -> str:
     """Where agents keep snapshots (tmpfs): the assembly links pieces, so the same filesystem."""
-    from checkpoint.snapshot_store import snapshot_root
+    from tenax.checkpoint.memory.snapshot_store import snapshot_root
 
     os.makedirs(snapshot_root(), exist_ok=True)
     return snapshot_root()
@@ -172,8 +172,8 @@ def moto_s3(wanted: bool) -> Iterator[dict[str, Any] | None]:
     """A moto S3 server on 127.0.0.1 (an object store, what checkpoint.uri is in production;
     every byte still stays on this machine); None if not wanted or not installed."""
     try:
-        from moto.server import ThreadedMotoServer
         import s3fs  # noqa: F401
+        from moto.server import ThreadedMotoServer
     except ImportError as exc:
         logger.warning("no s3 case: %s", exc)
         wanted = False

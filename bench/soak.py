@@ -104,8 +104,8 @@ class ResumeAudit:
         self.resumes: list[dict[str, Any]] = []
 
     def __call__(self, _: Any, records: list[dict[str, Any]]) -> None:
-        from checkpoint.catalog import Catalog
-        from checkpoint.storage import Storage
+        from tenax.checkpoint.format.catalog import Catalog
+        from tenax.checkpoint.format.storage import Storage
 
         for r in records:
             if r.get("event") != "started" or r.get("rank") != 0 or r.get("resumed_from") is None:

@@ -5,7 +5,7 @@
 
 Why this shape. The detector's enemy is the noise of real per-rank busy-time throughput, so
 the traces are real: 4 gloo ranks on this machine (2 shared cores) train the tiny example
-model with `workers.launch.run_rank`, and rank 3's compute is stretched (chaos `slow`, the
+model with `tenax.workers.launch.run_rank`, and rank 3's compute is stretched (chaos `slow`, the
 same mechanism as `--chaos "slow rank=3 factor=F"`) by 1.1×, 1.2×, 1.25× and 1.5× in turn,
 each slow stretch preceded by a healthy one. Every rank's step records (with the `time` the
 rank stamped them) are kept. The `StragglerTracker` the controller uses is then replayed over
@@ -52,7 +52,7 @@ def schedule(segment: int) -> list[float]:
 
 def _rank_main(spec: dict[str, Any], layout: dict[str, Any], rank: int, port: int,
                factors: list[float], queue: Any) -> None:
-    from workers.launch import run_rank
+    from tenax.workers.launch import run_rank
 
     calls = [0]
 
@@ -71,8 +71,8 @@ def _rank_main(spec: dict[str, Any], layout: dict[str, Any], rank: int, port: in
 
 def record_trace(segment: int, root: str) -> list[dict[str, Any]]:
     """One real 4-rank run; every rank's step records."""
-    from orchestrator.spec import layout_from_spec, load_spec
-    from workers.launch import free_port
+    from tenax.orchestrator.spec import layout_from_spec, load_spec
+    from tenax.workers.launch import free_port
 
     factors = schedule(segment)
     spec = load_spec(overrides=MODEL + [f"train.steps={len(factors)}",
@@ -100,7 +100,7 @@ def record_trace(segment: int, root: str) -> list[dict[str, Any]]:
 def replay(records: list[dict[str, Any]], threshold: float, phase: float, segment: int,
            factor_index: int) -> dict[str, Any]:
     """Feed one trial (healthy stretch, then slow stretch) to a tracker polled on rank time."""
-    from orchestrator.health import StragglerTracker
+    from tenax.orchestrator.job.health import StragglerTracker
 
     first = 2 * factor_index * segment  # the healthy stretch before this factor
     onset = first + segment

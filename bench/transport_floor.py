@@ -30,8 +30,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from checkpoint.snapshot_store import crc32c_of
-from workers.replica_stream import CRC_STRETCH as STRETCH, recv_checksummed
+from tenax.checkpoint.memory.snapshot_store import crc32c_of
+from tenax.workers.replica_stream import CRC_STRETCH as STRETCH
+from tenax.workers.replica_stream import recv_checksummed
 
 
 def _crc_in_stretches(view: memoryview) -> int:

@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import Any
 
-from checkpoint.catalog import Catalog, CatalogError, version_name
-from checkpoint.storage import Storage, StorageError
+from tenax.checkpoint.format.catalog import Catalog, CatalogError, version_name
+from tenax.checkpoint.format.storage import Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _guarded(fn: Any) -> Any:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `tenax ckpt ...` to the top-level parser (orchestrator/cli.py REGISTRARS)."""
+    """Add `tenax ckpt ...` to the top-level parser (orchestrator/cli/main.py REGISTRARS)."""
     ckpt = sub.add_parser("ckpt", help="inspect and verify checkpoints").add_subparsers(
         dest="what", required=True)
     p = ckpt.add_parser("list", help="versions with step, layout, size, committed or not")

@@ -19,3 +19,20 @@ class ModelMismatchError(CheckpointError):
 
 class StateProviderError(CheckpointError):
     """The object given to the manager cannot provide training state."""
+
+
+class ShardError(Exception):
+    """A shard cannot be planned or read; the message names the file and tensor."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line per failing rank: DCP's own message holds every rank's full traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException  # torch only when asked
+
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                         for r, (e, _) in sorted(exc.failures.items()))
+    return f"{type(exc).__name__}: {exc}"

@@ -69,18 +69,19 @@ import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.catalog import Catalog, CatalogError, spec_hash, version_name
-from checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
-                               StateProviderError)
-from checkpoint.loading import check_layout, check_manifest, choose_version, load_into
-from checkpoint.planning import SavePlans, all_ranks_agree, dist_on
-from checkpoint.shards import byte_view
-from checkpoint.state import (Stager, StateProvider, TrainerState, as_state_provider,
-                              describe_error, manifest_fields)
-from checkpoint.storage import Storage, StorageError
-from checkpoint.fork_writer import start_fork
-from checkpoint.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for, run_inline,
-                               start_thread)
+from tenax.checkpoint.collectives import all_ranks_agree, dist_on
+from tenax.checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
+                                     StateProviderError)
+from tenax.checkpoint.format.catalog import Catalog, CatalogError, spec_hash, version_name
+from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.load.loading import check_layout, check_manifest, choose_version, load_into
+from tenax.checkpoint.save.fork_writer import start_fork
+from tenax.checkpoint.save.planning import SavePlans
+from tenax.checkpoint.save.state import (Stager, StateProvider, TrainerState, as_state_provider,
+                                         describe_error, manifest_fields)
+from tenax.checkpoint.save.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for,
+                                          run_inline, start_thread)
+from tenax.checkpoint.tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
 

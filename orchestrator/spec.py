@@ -1,8 +1,8 @@
 """The job spec as the orchestrator sees it.
 
-The pydantic models live in `workers/spec.py`: the rank launcher (`python -m workers.launch
+The pydantic models live in `workers/spec.py`: the rank launcher (`python -m tenax.workers.launch
 JOB.yaml`) must parse specs too, and imports point one way (orchestrator -> workers ->
-parallel). This module keeps `orchestrator.spec` importable for its callers and adds the
+parallel). This module keeps `tenax.orchestrator.spec` importable for its callers and adds the
 conversions only the orchestrator needs (the planner's plain inputs).
 """
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from parallel.planner import PlanResult, plan_pinned
-from workers.spec import (CheckpointSpec, DataSpec, Degree, FaultToleranceSpec, JobSpec, ModelSpec,
-                          MoESpec, ParallelSpec, ResourcesSpec, SpecError, TrainSpec,
-                          apply_overrides, cross_field_problems, format_validation_error,
-                          layout_from_spec, load_spec, parse_spec_text, spec_from_dict)
+from tenax.parallel.planner import PlanResult, plan_pinned
+from tenax.workers.spec import (CheckpointSpec, DataSpec, Degree, FaultToleranceSpec, JobSpec,
+                                ModelSpec, MoESpec, ParallelSpec, ResourcesSpec, SpecError,
+                                TrainSpec, apply_overrides, cross_field_problems,
+                                format_validation_error, layout_from_spec, load_spec,
+                                parse_spec_text, spec_from_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,6 @@ __all__ = ["CheckpointSpec", "DataSpec", "Degree", "FaultToleranceSpec", "JobSpe
 
 def plan_for_spec(spec: JobSpec, gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
                   pin_zero: bool = False, **options: Any) -> PlanResult:
-    """The planner's best layout honoring the spec (see `parallel.planner.plan_pinned`)."""
+    """The planner's best layout honoring the spec (see `tenax.parallel.planner.plan_pinned`)."""
     return plan_pinned(spec.model.args(), spec.parallel.model_dump(), spec.train.global_batch_size,
                        spec.train.dtype, gpus, gpus_per_node, gpu_mem_gib, pin_zero, **options)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.model import Attention
+from tenax.parallel.model import Attention
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.cost_model import MemoryLedger, gib
-from parallel.layout import ParallelLayout
+from tenax.parallel.cost_model import MemoryLedger, gib
+from tenax.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from parallel.config import MoEArgs
+from tenax.parallel.config import MoEArgs
 
 logger = logging.getLogger(__name__)
 

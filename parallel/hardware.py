@@ -13,7 +13,7 @@ import logging
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from parallel.cost_model import Link, Network
+from tenax.parallel.cost_model import Link, Network
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""Host (CPU) memory the in-memory snapshots of issue 13 need, per rank and per node.
+"""Host (CPU) memory the in-memory snapshots need, per rank and per node.
 
 Every rank with `checkpoint.memory_every_steps > 0` keeps 2 local snapshot buffers of its full
 training state in its current layout (double buffered, so a process killed mid-copy never
 leaves a torn "latest"), and its agent holds 2 replica buffers of one rank of the previous node
 block (ring: block k's ranks live on block k+1's agents; two, because the ranks of a node that
 is lost mid-send may have delivered different steps, and the older one must still be whole). Buffers are rewritten in place, never
-allocated beside the old ones (checkpoint/snapshot_store.py), so there is no transient extra.
+allocated beside the old ones (checkpoint/memory/snapshot_store.py), so there is no transient extra.
 Per rank on a node:
 
     steady = peak = 4 x S        (S = one rank's snapshot state bytes)
@@ -31,10 +31,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.config import ModelArgs
-from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, StateBytes,
-                                 model_state_memory)
-from parallel.layout import ParallelLayout
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, StateBytes,
+                                       model_state_memory)
+from tenax.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from parallel.config import ModelArgs
+from tenax.parallel.config import ModelArgs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.config import ModelArgs
+from tenax.parallel.config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def build_feed_forward(spec: ModelArgs) -> nn.Module:
     """The FFN of one block: dense SwiGLU, or top-k routed SwiGLU experts when `spec.moe` is set."""
     if spec.moe is not None:
         # Imported here: expert_parallel is only needed by MoE models.
-        from parallel.expert_parallel import MoEFeedForward
+        from tenax.parallel.expert_parallel import MoEFeedForward
         return MoEFeedForward(spec.dim, spec.ffn_hidden, spec.moe)
     return FeedForward(spec.dim, spec.ffn_hidden)
 

@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.config import ModelArgs
-from parallel.data_parallel import DataParallel
-from parallel.fully_sharded import apply_fsdp
-from parallel.layout import ParallelLayout
-from parallel.model import Transformer, init_weights
-from parallel.pipeline_parallel import build_stage_module, split_layers, stage_ids
-from parallel.tensor_parallel import apply_tp
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.data_parallel import DataParallel
+from tenax.parallel.fully_sharded import apply_fsdp
+from tenax.parallel.layout import ParallelLayout
+from tenax.parallel.model import Transformer, init_weights
+from tenax.parallel.pipeline_parallel import build_stage_module, split_layers, stage_ids
+from tenax.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,11 @@ def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: D
                groups: ParallelGroups) -> None:
     apply_tp(part, mesh["tp"])
     if layout.cp > 1:
-        from parallel.context_parallel import apply_cp
+        from tenax.parallel.context_parallel import apply_cp
 
         apply_cp(part, mesh["cp"].get_group())
     if spec.moe is not None and layout.ep > 1:
-        from parallel.expert_parallel import apply_ep
+        from tenax.parallel.expert_parallel import apply_ep
 
         apply_ep(part, groups.ep)
     if layout.zero == 3:
@@ -115,7 +115,7 @@ def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: D
 
 
 def _build_dps(pm: ParallelModel) -> list[DataParallel]:
-    from parallel.expert_parallel import is_expert_param
+    from tenax.parallel.expert_parallel import is_expert_param
 
     layout, groups = pm.layout, pm.groups
     overlap = layout.pp == 1  # pipeline schedules run backward outside our micro-batch loop

@@ -28,8 +28,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 
-from parallel.config import ModelArgs
-from parallel.model import Transformer
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.model import Transformer
 
 logger = logging.getLogger(__name__)
 

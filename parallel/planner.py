@@ -23,15 +23,15 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterator, Mapping, Sequence
 
-from parallel.bubble import bubble_fraction, bubble_time
-from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
-                                 cp_comm, crossing_dims, dp_comm, ep_comm, gib,
-                                 in_flight_microbatches, layer_activation_bytes,
-                                 model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
-                                 train_flops_per_token)
-from parallel.estimate import PART_LABELS, Estimate, PlanError, PlanResult, StepTime, why_lost
-from parallel.config import ModelArgs
-from parallel.layout import LayoutError, ParallelLayout
+from tenax.parallel.bubble import bubble_fraction, bubble_time
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
+                                       cp_comm, crossing_dims, dp_comm, ep_comm, gib,
+                                       in_flight_microbatches, layer_activation_bytes,
+                                       model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
+                                       train_flops_per_token)
+from tenax.parallel.estimate import PART_LABELS, Estimate, PlanError, PlanResult, StepTime, why_lost
+from tenax.parallel.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger(__name__)
 

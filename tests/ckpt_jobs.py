@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
+from tenax.workers.launch import forget_dtensor_caches
 from tests.engine_jobs import TINY
-from workers.launch import forget_dtensor_caches
 
 BASE = TINY + ["train.global_batch_size=12", "train.steps=20"]
 MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0}"]
 
 
 def ckpt_spec(uri: str, extra: list[str] | None = None):
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     return load_spec(overrides=BASE + [f"checkpoint.uri={uri}"] + (extra or []))
 
@@ -43,7 +43,7 @@ def full_state(trainer: Any) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from checkpoint.reshard import training_state
+    from tenax.checkpoint.load.reshard import training_state
 
     mine = {}
     for key, value in training_state(trainer).items():
@@ -58,9 +58,9 @@ def full_state(trainer: Any) -> dict[str, torch.Tensor]:
 
 def _phase(rank: int, world: int, phase: dict[str, Any], uri: str, extra: list[str],
            writer: str) -> dict[str, Any]:
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(uri, extra)
     layout = ParallelLayout(**{"micro_batch_size": 1, **phase["layout"]})
@@ -105,8 +105,8 @@ def chain_job(rank: int, world_max: int, phases: list[dict[str, Any]], uri: str,
 
 def train_losses(rank: int, world: int, steps: int, extra: list[str]) -> list[float]:
     """The uninterrupted single-rank run's losses (step i+1 at index i)."""
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     trainer = Trainer(ckpt_spec("memory://unused", extra), ParallelLayout(micro_batch_size=1))
     return [trainer.run_step().loss for _ in range(steps)]
@@ -115,9 +115,9 @@ def train_losses(rank: int, world: int, steps: int, extra: list[str]) -> list[fl
 def roundtrip_job(rank: int, world: int, uri: str, options: dict | None,
                   writer: str) -> dict[str, Any]:
     """Save after 2 steps, load into a fresh trainer in this process; both take a step."""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec, layout = ckpt_spec(uri), ParallelLayout(micro_batch_size=1)
     first = Trainer(spec, layout)
@@ -172,10 +172,10 @@ def killable_job(uri: str, pause_dir: str, writer: str, queue: Any) -> None:
     The test kills the writer (or this whole process) while it is paused mid-shard.
     """
     os.environ["TENAX_CKPT_FAULT"] = ""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
     from tests.distributed import free_port, init_gloo
-    from workers.trainer import Trainer
 
     init_gloo(0, 1, free_port())
     spec = ckpt_spec(uri)
@@ -195,9 +195,9 @@ def killable_job(uri: str, pause_dir: str, writer: str, queue: Any) -> None:
 
 def save_modes_job(rank: int, world: int, root: str, writers: list[str]) -> dict[str, Any]:
     """dp2 ZeRO-1: for each writer, two saves (the second reuses the plan) into root/<writer>."""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     out = {}
     for writer in writers:
@@ -214,9 +214,9 @@ def save_modes_job(rank: int, world: int, root: str, writers: list[str]) -> dict
 
 def load_and_step_job(rank: int, world: int, uri: str, layout: dict[str, Any]) -> dict[str, Any]:
     """Load the newest committed version into `layout` and take one step."""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(uri)
     trainer = Trainer(spec, ParallelLayout(micro_batch_size=1, **layout))
@@ -232,9 +232,9 @@ def snapshot_job(rank: int, world: int, root: str, writers: list[str]) -> dict[s
     Returns, per writer, the largest difference between the state at save() and the state
     loaded back (into a fresh trainer) after two more steps had run during the write.
     """
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     layout = ParallelLayout(dp=2, zero=1, micro_batch_size=1)
     os.environ["TENAX_CKPT_FAULT"] = "stage-late"  # the thread writer copies only at the fence
@@ -262,9 +262,9 @@ def snapshot_job(rank: int, world: int, root: str, writers: list[str]) -> dict[s
 
 def rank_failure_job(rank: int, world: int, uri: str) -> dict[str, Any]:
     """dp2: rank 1's write of step 2 fails as on a full disk; steps 1 and 3 must commit."""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(uri)
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))

@@ -1,4 +1,4 @@
 """Keep every Ray and gloo endpoint of the test suite on 127.0.0.1 (before Ray is imported)."""
-from orchestrator.loopback import loopback_env
+from tenax.orchestrator.loopback import loopback_env
 
 loopback_env()

@@ -12,14 +12,14 @@ import traceback
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any, Callable
 
-from workers.launch import free_port, join_process_group, leave_process_group
+from tenax.workers.launch import free_port, join_process_group, leave_process_group
 
 __all__ = ["free_port", "init_gloo", "rank_context", "run_ranks", "shutdown_gloo"]
 
 # Imported once by the forkserver, then inherited by every rank it forks: a spawned rank spent
 # 2-4 s of CPU importing torch, hundreds of times per suite run on 2 cores.
 PRELOAD = ["torch", "torch.distributed", "pytest", "hypothesis", "tests.distributed",
-           "workers.launch", "workers.trainer", "parallel.parallelize", "checkpoint.manager"]
+           "tenax.workers.launch", "tenax.workers.trainer", "tenax.parallel.parallelize", "tenax.checkpoint.manager"]
 
 
 class CallerEnvProcess(ForkServerProcess):

@@ -9,7 +9,7 @@ TINY = ["model.n_layers=2", "model.dim=64", "model.n_heads=8", "model.n_kv_heads
 
 
 def tiny_spec(extra: list[str] | None = None):
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     return load_spec(overrides=TINY + (extra or []))
 
@@ -17,8 +17,8 @@ def tiny_spec(extra: list[str] | None = None):
 def train_job(rank: int, world: int, layout: dict[str, Any], optimizer: str, steps: int,
               extra: list[str]) -> dict[str, Any]:
     """Train `steps` and return losses, grad norms and the full final parameters."""
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     trainer = Trainer(tiny_spec(extra), ParallelLayout(**layout), optimizer=optimizer)
     results = [trainer.run_step() for _ in range(steps)]
@@ -29,9 +29,9 @@ def train_job(rank: int, world: int, layout: dict[str, Any], optimizer: str, ste
 
 def memory_job(rank: int, world: int, layout: dict[str, Any]) -> dict[str, int]:
     """Per-rank bytes of params, grads and optimizer state right after a step."""
-    from parallel.data_parallel import local
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.parallel.data_parallel import local
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     trainer = Trainer(tiny_spec(), ParallelLayout(**layout), optimizer="adamw")
     trainer.run_step()
@@ -49,9 +49,9 @@ def memory_job(rank: int, world: int, layout: dict[str, Any]) -> dict[str, int]:
 
 def comm_job(rank: int, world: int, layout: dict[str, Any], extra: list[str]) -> dict[str, Any]:
     """Collective counts and bytes of one step (after a warm-up step)."""
-    from parallel.comm_counter import CommCounter
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.parallel.comm_counter import CommCounter
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     trainer = Trainer(tiny_spec(extra), ParallelLayout(**layout))
     trainer.run_step()
@@ -66,9 +66,9 @@ DP_BATCH = 16  # global batch of the ZeRO accounting jobs: 1 or 4 micro-batches 
 def zero_accounting_job(rank: int, world: int, configs: list[tuple[int, int]]) -> dict[str, Any]:
     """Per (zero, micro-batches m): collective input bytes of one counted step (after a warm-up
     step) and the grad bytes held when the last micro-batch begins, on `world` dp ranks."""
-    from parallel.comm_counter import CommCounter
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.parallel.comm_counter import CommCounter
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     out: dict[str, Any] = {}
     for zero, m in configs:

@@ -17,7 +17,7 @@ SMALL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
 
 def ray_env() -> None:
     """Loopback-only Ray and gloo (conftest already did this before Ray was imported)."""
-    from orchestrator.loopback import loopback_env
+    from tenax.orchestrator.loopback import loopback_env
 
     loopback_env()
 
@@ -33,7 +33,7 @@ def start_local_ray(gpus: int) -> str:
 
 
 def make_spec(tmp_path: Any, extra: list[str], name: str = "job"):
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.spec import load_spec
 
     uri = f"file://{tmp_path}/{name}-{time.monotonic_ns()}"
     return load_spec(overrides=SMALL + [f"checkpoint.uri={uri}", f"name={name}"] + extra)
@@ -43,8 +43,8 @@ class JobRun:
     """Runs a Controller in a thread, collecting its events."""
 
     def __init__(self, spec: Any, chaos: str | None = None) -> None:
-        from orchestrator.chaos import parse_chaos
-        from orchestrator.controller import Controller
+        from tenax.orchestrator.chaos.faults import parse_chaos
+        from tenax.orchestrator.job.controller import Controller
 
         self.events: list[dict[str, Any]] = []
         self.controller = Controller(spec, parse_chaos(chaos), self.events.append)
@@ -99,9 +99,9 @@ def reference_losses(spec: Any, timeout_s: float = 300) -> dict[int, float]:
     layout matches the single-process run (the parity tests hold each one to it at 1e-5), and
     one process is several times cheaper than placing and running the clean job on Ray. Cached
     per model/train/data settings, which many tests share."""
-    from parallel.layout import ParallelLayout
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.launch import launch
     from tests.distributed import rank_context
-    from workers.launch import launch
 
     doc = spec.to_dict()
     key = json.dumps({k: doc[k] for k in ("model", "train", "data")} |

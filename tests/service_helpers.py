@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import grpc
+
 from tenax.v1 import jobs_pb2 as pb
 from tenax.v1 import jobs_pb2_grpc as pb_grpc
-
 from tests.ray_helpers import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ class ServerProcess:
                  ready_timeout_s: float = 90) -> None:
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", *args],
+            [sys.executable, "-m", "tenax.orchestrator.cli.main", "serve", "--port", "0", *args],
             cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
             stderr=open(log, "ab"), text=True)
         lines: queue.Queue[str] = queue.Queue()
@@ -141,7 +141,7 @@ class ServerProcess:
 
 def run_cli(args: list[str], env: dict[str, str] | None = None,
             timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", *args], cwd=REPO,
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout_s)
 

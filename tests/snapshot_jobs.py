@@ -10,11 +10,11 @@ def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     """dp2 ZeRO-1: one step, then a storage save and an in-memory snapshot of step 1 (sharing
     one plan, as in training); two more steps change every tensor while both copy. Returns the
     full state at step 1 (rank 0) and how many times the state was enumerated for a plan."""
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.planning import all_ranks_agree
-    from checkpoint.snapshot import MemorySnapshotter
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
@@ -38,9 +38,9 @@ def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> dict[str, Any]:
     """Load step 1 into tp2 from storage, then from the assembled snapshot; full states."""
-    from checkpoint.manager import CheckpointManager
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(storage_uri)
     out: dict[str, Any] = {}
@@ -56,7 +56,7 @@ def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> d
 
 
 def _save_bytes(planned: Any) -> dict[str, Any]:
-    from checkpoint.shards import byte_view
+    from tenax.checkpoint.tensor_bytes import byte_view
 
     return {"file": planned.file, "metadata": planned.metadata_bytes,
             "pieces": [(off, bytes(byte_view(t.contiguous()))) for off, t in planned.tensors]}
@@ -66,10 +66,11 @@ def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
     """Per step, a save planned with the cached plan (reused while the state's identity holds)
     vs one planned from scratch: byte for byte the same, including right after the optimizer
     created its state and after a load replaced every moment."""
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.planning import all_ranks_agree, plan_save
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.save.planning import plan_save
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
@@ -95,13 +96,14 @@ def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
 
 def handed_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) -> dict[str, Any]:
     """A plan handed to a fresh SavePlans as a restarted process gets it from its agent (JSON,
-    checkpoint/plan_codec.py): reused, and byte for byte what a fresh plan writes; mixed with a
+    checkpoint/save/plan_codec.py): reused, and byte for byte what a fresh plan writes; mixed with a
     plan of another round on one rank, planned anew on every rank."""
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.plan_codec import decode_plan, encode_plan
-    from checkpoint.planning import SavePlans, all_ranks_agree, plan_save
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.save.plan_codec import decode_plan, encode_plan
+    from tenax.checkpoint.save.planning import SavePlans, plan_save
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
@@ -133,10 +135,11 @@ def handed_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
 def not_ready_job(rank: int, world: int, root: str) -> dict[str, Any]:
     """A save one rank is not ready for (a snapshot whose replica is still on its way): no
     rank plans it; once every rank is ready the cached plan serves, with the agreed step."""
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.planning import STEP_KEY, all_ranks_agree
-    from parallel.layout import ParallelLayout
-    from workers.trainer import Trainer
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.save.planning import STEP_KEY
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.trainer import Trainer
 
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from checkpoint.buffer_maps import BufferMaps
+from tenax.checkpoint.memory.buffer_maps import BufferMaps
 
 
 def _write(maps: BufferMaps, path: str, data: bytes):

@@ -1,4 +1,4 @@
-"""Tests for checkpoint.catalog: commit marker, verification, fallback, retention.
+"""Tests for tenax.checkpoint.format.catalog: commit marker, verification, fallback, retention.
 
 Every test runs on file:// and memory:// alike; expected retention sets are computed here
 independently of `retention_plan`, from the rule as the design states it.
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint.catalog import (FORMAT_VERSION, Catalog, CatalogError, FileEntry, Manifest,
-                                ManifestError, parse_version_name, retention_plan, spec_hash,
-                                version_name)
-from checkpoint.storage import Storage, StorageError
+from tenax.checkpoint.format.catalog import (FORMAT_VERSION, Catalog, CatalogError, FileEntry,
+                                             Manifest, ManifestError, parse_version_name,
+                                             retention_plan, spec_hash, version_name)
+from tenax.checkpoint.format.storage import Storage, StorageError
 
 META = dict(layout={"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}, world_size=2,
             model_hash="abc", data_cursor=0, seed=7, lr_step=0)
@@ -220,7 +220,7 @@ def test_flipped_byte_is_caught_and_latest_falls_back(cat: Catalog, caplog) -> N
     assert len(problems) == 1 and "checksum mismatch" in problems[0]
     assert cat.storage.url("step-00000020/__1_0.distcp") in problems[0]
     assert cat.verify(10) == []
-    with caplog.at_level(logging.WARNING, logger="checkpoint.catalog"):
+    with caplog.at_level(logging.WARNING, logger="tenax.checkpoint.format.catalog"):
         latest = cat.latest_committed()
     assert latest is not None and latest.step == 10
     assert any("step 20" in r.getMessage() and "checksum mismatch" in r.getMessage()
@@ -237,7 +237,7 @@ def test_missing_truncated_and_garbled_versions_are_skipped(cat: Catalog, caplog
     assert any("size mismatch" in p for p in cat.verify(30))
     assert any("missing file" in p for p in cat.verify(20))
     assert any("not valid JSON" in p for p in cat.verify(40))
-    with caplog.at_level(logging.WARNING, logger="checkpoint.catalog"):
+    with caplog.at_level(logging.WARNING, logger="tenax.checkpoint.format.catalog"):
         assert cat.latest_committed().step == 10
     text = caplog.text
     assert "step 40" in text and "step 30" in text and "step 20" in text
@@ -261,7 +261,7 @@ def test_retention_over_twenty_saves(cat: Catalog, keep_last: int, keep_every: i
                                      every_save: bool, caplog) -> None:
     steps = [10 * i for i in range(1, 21)]
     deleted: list[int] = []
-    with caplog.at_level(logging.INFO, logger="checkpoint.catalog"):
+    with caplog.at_level(logging.INFO, logger="tenax.checkpoint.format.catalog"):
         for step in steps:
             save(cat, step)
             if every_save:

@@ -22,10 +22,10 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from checkpoint.catalog import Catalog, version_name
-from checkpoint.manager import CheckpointError, CheckpointManager, ModelMismatchError
-from checkpoint.storage import Storage
-from orchestrator.cli import main as tenax
+from tenax.checkpoint.format.catalog import Catalog, version_name
+from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.manager import CheckpointError, CheckpointManager, ModelMismatchError
+from tenax.orchestrator.cli.main import main as tenax
 from tests.ckpt_jobs import (DictState, ckpt_spec, killable_job, load_and_step_job,
                              rank_failure_job, roundtrip_job, save_modes_job, snapshot_job,
                              train_losses)
@@ -297,8 +297,8 @@ def test_storages_work_alike(protocol: str, tmp_path: Path, request) -> None:
 
 # ---- resume through the launcher -------------------------------------------------------------
 def test_resumed_launcher_run_equals_uninterrupted(tmp_path: Path) -> None:
-    from workers.launch import launch
-    from workers.spec import layout_from_spec
+    from tenax.workers.launch import launch
+    from tenax.workers.spec import layout_from_spec
 
     spec = ckpt_spec(f"file://{tmp_path}/ckpt", ["train.steps=6", "checkpoint.every_steps=2"])
 

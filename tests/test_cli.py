@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli import main
+from tenax.orchestrator.cli.main import main
 
 
 def run_json(capsys, *argv: str) -> dict:
@@ -73,7 +73,7 @@ def test_data_prepare_writes_tokens(capsys, tmp_path):
 
 
 def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", "bubble", "--pp", "2",
+    proc = subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", "plan", "bubble", "--pp", "2",
                            "--microbatches", "8", "--json"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["schedules"]["1f1b"]["fraction"] == pytest.approx(3 / 27)

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.config import ModelArgs
-from parallel.context_parallel import (RingCommCounter, apply_cp, ring_attention, zigzag_gather,
-                                       zigzag_indices, zigzag_split)
-from parallel.model import build_model, cross_entropy_sum
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.context_parallel import (RingCommCounter, apply_cp, ring_attention,
+                                             zigzag_gather, zigzag_indices, zigzag_split)
+from tenax.parallel.model import build_model, cross_entropy_sum
 from tests.distributed import run_ranks
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def test_model_under_cp_matches_single_process() -> None:
     logits = reference(tokens)
     loss_sum, count = cross_entropy_sum(logits, targets)
     (loss_sum / count).backward()
-    from parallel.cost_model import cp_comm  # the comm the planner charges for this run
+    from tenax.parallel.cost_model import cp_comm  # the comm the planner charges for this run
 
     expected = cp_comm(B, spec.seq_len, spec.n_kv_heads, spec.head_dim, cp, spec.n_layers,
                        dtype_bytes=4)

@@ -177,10 +177,11 @@ def test_an_agent_links_its_own_snapshot_and_never_one_changed_since_it_was_veri
     restore drops the restores of older snapshot generations (each pins a whole state)."""
     import os
 
-    from checkpoint.catalog import Catalog
-    from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, crc32c_of
-    from checkpoint.storage import Storage
-    from workers.snapshot_keeper import SnapshotKeeper
+    from tenax.checkpoint.format.catalog import Catalog
+    from tenax.checkpoint.format.storage import Storage
+    from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
+                                                        crc32c_of)
+    from tenax.workers.snapshot_keeper import SnapshotKeeper
 
     data = {"__0_0.distcp": b"x" * 4096, ".metadata": b"{}"}
     commit = {"layout": {"dp": 1}, "model_hash": "h", "data_cursor": 4, "seed": 0, "lr_step": 5,
@@ -227,7 +228,7 @@ def test_a_node_whose_agent_answers_gets_no_pinned_task_one_without_a_live_agent
     the node alive without one."""
     import ray
 
-    from orchestrator.capacity import NodeProbes
+    from tenax.orchestrator.placement.capacity import NodeProbes
 
     @ray.remote(num_cpus=0)
     class Agent:
@@ -254,7 +255,7 @@ def test_an_agent_answers_a_wait_for_its_training_process_as_soon_as_it_ends():
     at once instead of at the next heartbeat poll."""
     import ray
 
-    from workers.worker import RankRun, RankWorker
+    from tenax.workers.worker import RankRun, RankWorker
 
     agent = ray.remote(RankWorker).options(num_cpus=0, max_concurrency=4).remote()
     assert ray.get(agent.wait_ended.remote(1, 0.1), timeout=120) is False  # nothing ran yet

@@ -1,4 +1,4 @@
-"""bench/core_split.py and checkpoint/background.py: a training process's host-side threads
+"""bench/core_split.py and checkpoint/save/background.py: a training process's host-side threads
 carry names the OS shows, and the bench's GPU-node emulation places every thread where its
 docstring says (training on the first core; the rest of the host, and the training processes'
 host-side threads, on the others)."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from checkpoint.background import SNAPSHOT_THREAD, as_background, os_thread_name
+from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background, os_thread_name
 
 LINUX = os.path.exists("/proc/self/task")
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -21,7 +21,7 @@ CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
 # actors' forkserver children have; one thread names itself as the snapshot copier does.
 TRAINING = """
 import sys, threading, time  # forkserver stand-in
-from checkpoint.background import SNAPSHOT_THREAD, as_background
+from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background
 def copier():
     as_background(SNAPSHOT_THREAD, 0)
     print(threading.get_native_id(), flush=True)
@@ -59,7 +59,7 @@ def test_a_background_thread_is_named_and_lowered():
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
 def test_the_snapshot_copying_thread_carries_its_name(tmp_path):
-    from checkpoint.snapshot import MemorySnapshotter
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
     from tests.ckpt_jobs import DictState, ckpt_spec
 
     def named() -> list[int]:

@@ -10,15 +10,15 @@ import itertools
 
 import pytest
 
-from parallel.bubble import bubble_fraction, bubble_table, bubble_time
-from parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, Comm, Link, MemoryLedger, Network,
-                                 all_gather, all_reduce, all_to_all, attention_activation_bytes,
-                                 cp_comm,
-                                 crossing_dims, dp_comm, ep_comm, gib, in_flight_microbatches,
-                                 layer_activation_bytes, mlp_activation_bytes, model_state_memory,
-                                 pp_comm, reduce_scatter, stage_activation_bytes, tp_comm,
-                                 train_flops_per_token, zero_stage_ledgers)
-from parallel.layout import ParallelLayout
+from tenax.parallel.bubble import bubble_fraction, bubble_table, bubble_time
+from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, Comm, Link, MemoryLedger, Network,
+                                       all_gather, all_reduce, all_to_all,
+                                       attention_activation_bytes, cp_comm, crossing_dims, dp_comm,
+                                       ep_comm, gib, in_flight_microbatches, layer_activation_bytes,
+                                       mlp_activation_bytes, model_state_memory, pp_comm,
+                                       reduce_scatter, stage_activation_bytes, tp_comm,
+                                       train_flops_per_token, zero_stage_ledgers)
+from tenax.parallel.layout import ParallelLayout
 
 GIB = 2 ** 30
 

@@ -18,8 +18,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import DataSpec
-from workers.data import EOS_ID, TokenDataLoader, permute, prepare_token_file
+from tenax.orchestrator.spec import DataSpec
+from tenax.workers.data import EOS_ID, TokenDataLoader, permute, prepare_token_file
 
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)
@@ -131,8 +131,8 @@ def test_epochs_cover_each_sample_once(mem_root: str) -> None:
 
 CHILD = """
 import hashlib
-from workers.data import TokenDataLoader
-from workers.spec import DataSpec
+from tenax.workers.data import TokenDataLoader
+from tenax.workers.spec import DataSpec
 loader = TokenDataLoader(DataSpec(), {seq}, {vocab}, {seed}, {g})
 h = hashlib.sha256()
 for step in (0, 5, 1000):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.cost_model import FP32_ADAMW, model_state_memory
+from tenax.parallel.cost_model import FP32_ADAMW, model_state_memory
 from tests.distributed import run_ranks
 from tests.engine_jobs import comm_job, memory_job
 
@@ -30,7 +30,7 @@ def _per_layer(layout: dict, world: int) -> dict:
 
 
 def test_tp_collectives_per_layer_match_cost_model():
-    from parallel.cost_model import tp_comm
+    from tenax.parallel.cost_model import tp_comm
     from tests.engine_jobs import tiny_spec
 
     tp = 2
@@ -55,7 +55,7 @@ def test_tp_collectives_per_layer_match_cost_model():
 
 
 def test_dp_all_reduce_volume_matches_cost_model():
-    from parallel.cost_model import dp_comm
+    from tenax.parallel.cost_model import dp_comm
 
     summary = run_ranks(comm_job, 2, {"dp": 2, "zero": 0, "micro_batch_size": 1}, [])[0]
     n_params = memory_n_params()
@@ -93,7 +93,7 @@ def test_zero_comm_bytes_per_step_match_cost_model(zero_accounting, zero, m):
     bytes per rank, equals dp_comm for the stage as built: DDP and ZeRO-1 2(N-1)/N G, ZeRO-2
     (m+1)(N-1)/N G, ZeRO-3 (2m+1)(N-1)/N G. The scalar all-reduces (loss; grad norm unless
     plain DDP, whose ranks all hold every grad) are the only extra traffic."""
-    from parallel.cost_model import dp_comm
+    from tenax.parallel.cost_model import dp_comm
 
     n, results = zero_accounting
     got = results[f"zero{zero} m{m}"]

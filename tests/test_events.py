@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from orchestrator.client import human_line
-from orchestrator.runner import EventSink
-from workers.events import KINDS, Event, human, layout_text
+from tenax.orchestrator.cli.client import human_line
+from tenax.orchestrator.cli.runner import EventSink
+from tenax.workers.events import KINDS, Event, human, layout_text
 
 LAYOUT = {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero": 1}
 # One example per kind, with DESIGN.md's pinned fields where it pins them.

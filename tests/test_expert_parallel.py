@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from parallel.config import ModelArgs, MoEArgs
-from parallel.expert_parallel import (MoEFeedForward, MoEStats, apply_ep, is_expert_param,
-                                      moe_aux_loss, moe_stats)
-from parallel.model import Transformer, build_model, cross_entropy_sum, init_weights
+from tenax.parallel.config import ModelArgs, MoEArgs
+from tenax.parallel.expert_parallel import (MoEFeedForward, MoEStats, apply_ep, is_expert_param,
+                                            moe_aux_loss, moe_stats)
+from tenax.parallel.model import Transformer, build_model, cross_entropy_sum, init_weights
+from tenax.workers.data import TokenDataLoader
+from tenax.workers.spec import DataSpec
 from tests.distributed import run_ranks
-from workers.data import TokenDataLoader
-from workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Issue 14 item 9 (the durable half): an acknowledged cancel survives a server restart.
+"""The durable half of cancelling: an acknowledged cancel survives a server restart.
 
 A real JobStore on disk and a real JobManager: the job is RUNNING in the store (as a server
 killed mid-job leaves it), CancelJob's path persists the request, the "server" goes away before
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.jobs import JobManager
-from orchestrator.store import CANCEL_REQUESTED, JobStore
+from tenax.orchestrator.service.jobs import JobManager
+from tenax.orchestrator.service.store import CANCEL_REQUESTED, JobStore
 
 
 def running_job(store: JobStore, job_id: str) -> None:

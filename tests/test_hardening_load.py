@@ -1,4 +1,4 @@
-"""Issue 14 item 8: verifying a checkpoint before a resume is shared by the ranks.
+"""Verifying a checkpoint before a resume is shared by the ranks.
 
 Each rank re-reads about 1/world of a version's bytes (`share_of`), and the ranks agree on the
 worst verdict, so damage found in any rank's share makes every rank fall back together.
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from checkpoint.catalog import Catalog, FileEntry, share_of
-from checkpoint.storage import Storage
+from tenax.checkpoint.format.catalog import Catalog, FileEntry, share_of
+from tenax.checkpoint.format.storage import Storage
 from tests.ckpt_jobs import DictState, ckpt_spec
 from tests.distributed import run_ranks
 
@@ -24,7 +24,7 @@ def test_shares_cover_every_file_once_and_balance_bytes() -> None:
 
 
 def save_and_load_job(rank: int, world: int, uri: str, phase: str) -> Any:
-    from checkpoint.manager import CheckpointManager
+    from tenax.checkpoint.manager import CheckpointManager
 
     state = DictState()
     with CheckpointManager(ckpt_spec(uri), state, rank, world, timeout_s=60,
@@ -55,10 +55,10 @@ def test_damage_in_one_ranks_share_makes_every_rank_fall_back(tmp_path: Path) ->
 def load_failing_on_rank_job(rank: int, world: int, uri: str, failing: int) -> str:
     """Load with rank `failing`'s reads raising after the version was verified (storage lost
     mid-restore); returns what the load said on this rank."""
-    from checkpoint.errors import CheckpointError
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.shards import RawReader
-    from checkpoint.storage import StorageError
+    from tenax.checkpoint.errors import CheckpointError
+    from tenax.checkpoint.format.storage import StorageError
+    from tenax.checkpoint.load.raw_reader import RawReader
+    from tenax.checkpoint.manager import CheckpointManager
 
     def unreadable(*_: Any) -> None:
         raise StorageError("injected: storage went away mid-read")

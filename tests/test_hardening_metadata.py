@@ -1,4 +1,4 @@
-"""Issue 14 item 1: nothing read from checkpoint storage is unpickled.
+"""Nothing read from checkpoint storage is unpickled.
 
 A crafted `.metadata` whose unpickling would create a file is planted in a committed version
 (with a manifest whose checksums match, as whoever can write the bucket could do); inspect,
@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint.catalog import Catalog
-from checkpoint.manager import CheckpointError, CheckpointManager
-from checkpoint.metadata_codec import (FORMAT, LEGACY_FORMAT, MetadataFormatError,
-                                       decode_metadata)
-from checkpoint.storage import Storage
-from orchestrator.cli import main as tenax
+from tenax.checkpoint.format.catalog import Catalog
+from tenax.checkpoint.format.metadata_codec import (FORMAT, LEGACY_FORMAT, MetadataFormatError,
+                                                    decode_metadata)
+from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.manager import CheckpointError, CheckpointManager
+from tenax.orchestrator.cli.main import main as tenax
 from tests.ckpt_jobs import DictState, ckpt_spec
 
 

@@ -1,4 +1,4 @@
-"""Issue 14 items 6 and 7: retention never deletes the newest good work; a read error is not damage.
+"""Retention never deletes the newest good work; a read error is not damage.
 
 Reads fail through `FlakyFileSystem`, a real local filesystem registered as `flakyfile://` that
 raises EIO on reads of chosen files a chosen number of times: what a flaky NFS mount or an
@@ -14,9 +14,9 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpoint.catalog import Catalog, CatalogUnreachableError, retention_plan
-from checkpoint.manager import CheckpointError, CheckpointManager
-from checkpoint.storage import Storage
+from tenax.checkpoint.format.catalog import Catalog, CatalogUnreachableError, retention_plan
+from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.manager import CheckpointError, CheckpointManager
 from tests.ckpt_jobs import DictState, ckpt_spec
 
 

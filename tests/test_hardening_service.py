@@ -1,4 +1,4 @@
-"""Issue 14 items 2-5 and the SubmitJob fuzz: a real gRPC server on 127.0.0.1.
+"""The service's hardening and the SubmitJob fuzz: a real gRPC server on 127.0.0.1.
 
 The server here runs a real JobManager, JobStore and JobServer, with storage roots that admit
 only `file://` under its state dir. No test here ever has a job start (every submission is
@@ -16,12 +16,12 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tenax.v1 import jobs_pb2 as pb
 
-from orchestrator.auth import check_exposure
-from orchestrator.spec import SpecError, load_spec
-from orchestrator.storage_roots import (StorageRootError, StorageRoots, canonical_uri,
-                                        overlapping)
+from tenax.orchestrator.service.auth import check_exposure
+from tenax.orchestrator.service.storage_roots import (StorageRootError, StorageRoots, canonical_uri,
+                                                      overlapping)
+from tenax.orchestrator.spec import SpecError, load_spec
+from tenax.v1 import jobs_pb2 as pb
 from tests.service_helpers import code_of, run_cli, stub
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -34,9 +34,9 @@ BOMB = ("model.moe=[&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from orchestrator.jobs import JobManager
-    from orchestrator.service import JobServer, ServerOptions
-    from orchestrator.store import JobStore
+    from tenax.orchestrator.service.jobs import JobManager
+    from tenax.orchestrator.service.server import JobServer, ServerOptions
+    from tenax.orchestrator.service.store import JobStore
 
     state = tmp_path_factory.mktemp("state")
     store = JobStore(state, exclusive=True)
@@ -69,7 +69,7 @@ def test_alias_bomb_override_is_refused_with_a_short_message(server: dict[str, A
     assert code == INVALID and "aliases" in details and len(details) < 400
     assert rss_bytes() - before < 50 << 20
     with pytest.raises(SpecError, match="aliases"):
-        load_spec(overrides=[BOMB])  # tenax run / workers.launch parse the same way
+        load_spec(overrides=[BOMB])  # tenax run / tenax.workers.launch parse the same way
 
 
 def test_a_long_bad_value_is_echoed_as_a_short_prefix() -> None:
@@ -153,7 +153,7 @@ def test_serving_beyond_loopback_needs_a_token_or_insecure(tmp_path: Path) -> No
 
 
 def test_metrics_bind_to_loopback_by_default() -> None:
-    from orchestrator.service import ServeConfig
+    from tenax.orchestrator.service.server import ServeConfig
 
     assert ServeConfig(state_dir="/x", host="0.0.0.0").metrics_host == "127.0.0.1"
 
@@ -212,8 +212,8 @@ def test_fuzzed_submissions_are_ok_or_invalid_and_rss_stays_bounded(server: dict
 
 def test_a_stored_job_with_an_out_of_range_number_cannot_break_listing(tmp_path: Path) -> None:
     """A row stored before submissions were checked (train.steps = 2**63) still lists."""
-    from orchestrator.store import JobStore
-    from orchestrator.wire import job_message
+    from tenax.orchestrator.service.store import JobStore
+    from tenax.orchestrator.service.wire import job_message
 
     store = JobStore(tmp_path)
     try:

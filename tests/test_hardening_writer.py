@@ -1,4 +1,4 @@
-"""Issue 14 item 10: a writer given up on never commits; a failed save leaves no partial dir.
+"""A writer given up on never commits; a failed save leaves no partial dir.
 
 `GatedFileSystem` is a real local filesystem registered as `gatedfile://` whose reads of one
 chosen file wait until the test opens the gate: the commit's checksum pass of a late writer is
@@ -15,9 +15,9 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpoint.catalog import Catalog
-from checkpoint.manager import CheckpointManager
-from checkpoint.storage import Storage
+from tenax.checkpoint.format.catalog import Catalog
+from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.manager import CheckpointManager
 from tests.ckpt_jobs import DictState, ckpt_spec
 
 

@@ -18,8 +18,8 @@ from typing import Callable
 
 import pytest
 
-from orchestrator.health import (NOISE_FLOOR, STEP_CLIP, StragglerPolicy, StragglerTracker,
-                                 step_scores, window_score)
+from tenax.orchestrator.job.health import (NOISE_FLOOR, STEP_CLIP, StragglerPolicy,
+                                           StragglerTracker, step_scores, window_score)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_BOUND_S = 900  # only so a broken job cannot hang the suite; not a speed goal
@@ -266,7 +266,7 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
     """A real job on an embedded Ray: rank 1 runs 1.5× slower from step 10 and must be the only
     rank reported as a straggler in the JSON log."""
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=400", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
            "--set", "checkpoint.every_steps=200",
            "--chaos", "slow rank=1 factor=1.5 at=10", "--log-json", str(log)]
@@ -288,7 +288,7 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
 def test_evict_action_restarts_the_job_without_the_straggler_node(tmp_path: Path) -> None:
     """Two 1-GPU nodes, rank 1 slowed: `evict` restarts on the remaining node and finishes."""
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=300", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
            "--set", "resources.nodes=2", "--set", "resources.gpus_per_node=1",
            "--set", "resources.max_nodes=2", "--set", "fault_tolerance.straggler_action=evict",

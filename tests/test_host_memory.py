@@ -1,4 +1,4 @@
-"""Host memory of the in-memory snapshots (issue 13 item 5): pure tables, no Ray, no torch."""
+"""Host memory of the in-memory snapshots: pure tables, no Ray, no torch."""
 from __future__ import annotations
 
 import json
@@ -8,14 +8,14 @@ import types
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.host_memory import (SAFE_FRACTION, plan_snapshot_memory,
-                                      ray_node_memory_bytes)
-from parallel.config import ModelArgs, MoEArgs
-from parallel.host_memory import (CURSOR_RNG_BYTES, human_bytes, node_snapshot_footprint,
-                                  rank_snapshot_bytes, snapshot_footprint)
-from parallel.layout import ParallelLayout
-from workers.spec import spec_from_dict
+from tenax.orchestrator.cli.main import main
+from tenax.orchestrator.placement.host_memory import (SAFE_FRACTION, plan_snapshot_memory,
+                                                      ray_node_memory_bytes)
+from tenax.parallel.config import ModelArgs, MoEArgs
+from tenax.parallel.host_memory import (CURSOR_RNG_BYTES, human_bytes, node_snapshot_footprint,
+                                        rank_snapshot_bytes, snapshot_footprint)
+from tenax.parallel.layout import ParallelLayout
+from tenax.workers.spec import spec_from_dict
 
 MODEL = ModelArgs()
 P = MODEL.num_params()

@@ -1,10 +1,12 @@
 """Imports point one way, and nothing reaches into another module's private names.
 
-Layers, top to bottom: orchestrator -> workers -> checkpoint -> parallel. A module may import
-its own layer or any layer below it, never one above (type-only imports under TYPE_CHECKING
-count too: they couple the code just the same). The static scan reads every import statement,
-wherever it sits (function bodies included); the subprocess check imports the lower layers
-with `orchestrator` made unimportable, so an import hidden behind a string would fail as well.
+Layers, top to bottom: orchestrator -> workers -> checkpoint -> parallel, all under the one
+package `tenax`. A module may import its own layer or any layer below it, never one above
+(type-only imports under TYPE_CHECKING count too: they couple the code just the same). Inside
+a layer the sub-packages have an order of their own (`ROOMS`). The static scan reads every
+import statement, wherever it sits (function bodies included); the subprocess check imports the
+lower layers with `tenax.orchestrator` made unimportable, so an import hidden behind a string
+would fail as well.
 """
 from __future__ import annotations
 
@@ -19,8 +21,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("parallel", "checkpoint", "workers", "orchestrator")  # bottom to top
-PROJECT = set(LAYERS) | {"tenax", "bench", "tests"}
-SOURCE_DIRS = (*LAYERS, "bench", "tests")
+# Inside a layer, bottom to top; "" is the layer's own top-level modules that serve the rooms
+# (errors, collectives, spec, loopback), "^" its top-level modules that use them (the manager).
+ROOMS = {
+    "checkpoint": ("", "format", "load", "save", "memory", "^"),
+    "orchestrator": ("", "chaos", "placement", "job", "service", "cli"),
+}
+TOP_MODULES = {"checkpoint": {"manager", "cli"}}
+PROJECT = {"tenax", "bench", "tests"}
+SOURCE_DIRS = (*LAYERS, "tenax", "bench", "tests")
 
 
 def python_files(*dirs: str) -> list[Path]:
@@ -29,6 +38,8 @@ def python_files(*dirs: str) -> list[Path]:
 
 def module_name(path: Path, root: Path = REPO) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[0] in LAYERS:
+        parts.insert(0, "tenax")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -43,15 +54,53 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "tenax" and parts[1] in LAYERS else None
+
+
+def room_of(layer: str, rest: list[str]) -> str:
+    """The room of a module given its dotted parts below the layer."""
+    if len(rest) > 1:
+        return rest[0]
+    return "^" if rest and rest[0] in TOP_MODULES.get(layer, ()) else ""
+
+
 def layer_violations(paths: list[Path], root: Path = REPO) -> list[str]:
     found = []
     for path in paths:
         own = LAYERS.index(path.relative_to(root).parts[0])
         for line, module in imported_modules(ast.parse(path.read_text())):
-            top = module.split(".")[0]
-            if top in LAYERS and LAYERS.index(top) > own:
+            top = layer_of(module)
+            if top is not None and LAYERS.index(top) > own:
                 found.append(f"{path.relative_to(root)}:{line} imports {module} "
                              f"({LAYERS[own]} sits below {top})")
+            if module.split(".")[0] in LAYERS:
+                found.append(f"{path.relative_to(root)}:{line} imports {module} "
+                             f"(not under tenax: the folder is not a top-level package)")
+    return found
+
+
+def room_violations(paths: list[Path], root: Path = REPO) -> list[str]:
+    """A sub-package imports only its own room or the rooms below it in `ROOMS`."""
+    found = []
+    for path in paths:
+        layer, *rest = path.relative_to(root).with_suffix("").parts
+        if layer not in ROOMS:
+            continue
+        order = ROOMS[layer]
+        own = room_of(layer, rest)
+        for line, module in imported_modules(ast.parse(path.read_text())):
+            parts = module.split(".")
+            if layer_of(module) != layer or len(parts) < 3:
+                continue
+            other = room_of(layer, parts[2:])
+            if other not in order or own not in order:
+                found.append(f"{path.relative_to(root)}:{line} imports {module} "
+                             f"(room {other or own!r} is not in ROOMS[{layer!r}])")
+            elif order.index(other) > order.index(own):
+                found.append(f"{path.relative_to(root)}:{line} imports {module} "
+                             f"({layer}/{own or '.'} sits below {layer}/{other})")
     return found
 
 
@@ -88,13 +137,34 @@ def is_private(name: str) -> bool:
 
 def is_module(dotted: str) -> bool:
     """Whether `dotted` names a project module (not a class or function in one)."""
-    path = REPO.joinpath(*dotted.split("."))
+    parts = dotted.split(".")
+    if parts[0] == "tenax" and len(parts) > 1 and parts[1] in LAYERS:
+        parts = parts[1:]
+    path = REPO.joinpath(*parts)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_lower_layers_never_import_higher_ones() -> None:
     problems = layer_violations(python_files(*LAYERS))
     assert problems == [], "\n".join(problems)
+
+
+def test_sub_packages_import_one_way_inside_their_layer() -> None:
+    problems = room_violations(python_files(*ROOMS))
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_room_scan_catches_an_upward_import(tmp_path: Path) -> None:
+    for rel, text in {"checkpoint/format/fake.py": "from tenax.checkpoint.save.writer import x\n",
+                      "orchestrator/job/fake.py": "import tenax.orchestrator.service.jobs\n",
+                      "orchestrator/chaos/ok.py": "from tenax.orchestrator.spec import JobSpec\n"
+                      }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    problems = room_violations(sorted(tmp_path.rglob("*.py")), root=tmp_path)
+    assert len(problems) == 2, problems
+    assert any("checkpoint/format sits below checkpoint/save" in p for p in problems)
+    assert any("orchestrator/job sits below orchestrator/service" in p for p in problems)
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
@@ -133,9 +203,9 @@ def test_the_sys_path_scan_catches_edits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad, expected", [
-    ("from orchestrator.spec import JobSpec\n", "parallel sits below orchestrator"),
-    ("def f():\n    import workers.trainer\n", "parallel sits below workers"),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from checkpoint import x\n",
+    ("from tenax.orchestrator.spec import JobSpec\n", "parallel sits below orchestrator"),
+    ("def f():\n    import tenax.workers.trainer\n", "parallel sits below workers"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tenax.checkpoint import x\n",
      "parallel sits below checkpoint"),
 ])
 def test_the_layer_scan_catches_each_kind_of_import(tmp_path: Path, bad: str,
@@ -150,12 +220,12 @@ def test_the_layer_scan_catches_each_kind_of_import(tmp_path: Path, bad: str,
 def test_the_private_scan_catches_names_and_attributes(tmp_path: Path) -> None:
     fake = tmp_path / "bench" / "fake.py"
     fake.parent.mkdir()
-    fake.write_text("from parallel.comm_counter import _X\nimport parallel.layout as lay\n"
-                    "lay._hidden\nfrom parallel import layout\nlayout._other\n")
+    fake.write_text("from tenax.parallel.comm_counter import _X\nimport tenax.parallel.layout as lay\n"
+                    "lay._hidden\nfrom tenax.parallel import layout\nlayout._other\n")
     problems = private_name_imports([fake], root=tmp_path)
     assert [p.split(" ", 1)[1] for p in problems] == [
-        "imports _X from parallel.comm_counter", "reads parallel.layout._hidden",
-        "reads parallel.layout._other"]
+        "imports _X from tenax.parallel.comm_counter", "reads tenax.parallel.layout._hidden",
+        "reads tenax.parallel.layout._other"]
 
 
 def test_lower_layers_import_with_orchestrator_blocked() -> None:
@@ -167,14 +237,14 @@ def test_lower_layers_import_with_orchestrator_blocked() -> None:
 
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name == "orchestrator" or name.startswith("orchestrator."):
+                if name == "tenax.orchestrator" or name.startswith("tenax.orchestrator."):
                     raise ImportError(f"blocked: {{name}}")
                 return None
 
         sys.meta_path.insert(0, Block())
         for name in {modules!r}:
             importlib.import_module(name)
-        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "orchestrator")
+        loaded = sorted(m for m in sys.modules if m.startswith("tenax.orchestrator"))
         print("orchestrator modules loaded:", loaded)
         sys.exit(1 if loaded else 0)
     """)
@@ -187,8 +257,8 @@ def test_agents_and_the_controller_start_without_torch() -> None:
     """A rank's agent (a Ray actor per GPU) and the controller never run torch: importing it
     cost each agent ~3 s of CPU at every placement (the forkserver under the agent, which the
     training processes fork from, preloads it instead)."""
-    script = ("import sys, workers.worker, orchestrator.worker_group, orchestrator.controller, "
-              "orchestrator.service\n"
+    script = ("import sys, tenax.workers.worker, tenax.orchestrator.placement.worker_group, "
+              "tenax.orchestrator.job.controller, tenax.orchestrator.service.server\n"
               "sys.exit(1 if 'torch' in sys.modules else 0)")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
@@ -202,9 +272,9 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
     an in-memory snapshot, then resumes, and lists what that imported past the preload."""
     script = textwrap.dedent(f"""
         import importlib, os, sys
-        from workers.worker import PRELOAD
-        from workers.launch import free_port, run_rank
-        from workers.memory_options import MemoryOptions
+        from tenax.workers.worker import PRELOAD
+        from tenax.workers.launch import free_port, run_rank
+        from tenax.workers.memory_options import MemoryOptions
         from tests.ckpt_jobs import ckpt_spec
 
         for name in PRELOAD:
@@ -215,9 +285,9 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
         for steps in (2, None):
             run_rank(spec, {{"dp": 1}}, 0, 1, "127.0.0.1", free_port(), steps=steps,
                      memory=memory)
-        ours = ("workers", "checkpoint", "parallel", "numpy", "fsspec")
-        late = sorted(m for m in set(sys.modules) - before
-                      if m.split(".")[0] in ours or m.startswith("torch.distributed"))
+        ours = ("tenax.workers", "tenax.checkpoint", "tenax.parallel", "numpy", "fsspec",
+                "torch.distributed")
+        late = sorted(m for m in set(sys.modules) - before if m.startswith(ours))
         print("imported past the preload:", late)
         sys.exit(1 if late else 0)
     """)

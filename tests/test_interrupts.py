@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from orchestrator.runner import sigterm_interrupts
+from tenax.orchestrator.cli.runner import sigterm_interrupts
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _controller() -> tuple[Any, list[dict[str, Any]]]:
-    from orchestrator.controller import Controller
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.job.controller import Controller
+    from tenax.orchestrator.spec import load_spec
 
     events: list[dict[str, Any]] = []
     return Controller(load_spec(overrides=["name=interrupts"]), on_event=events.append), events
@@ -30,7 +30,7 @@ def _sigterm_self() -> None:
 
 @pytest.mark.parametrize("signalled", [False, True], ids=["ctrl-c", "sigterm"])
 def test_the_cancelled_state_names_the_interrupt(signalled):
-    from orchestrator.states import JobState
+    from tenax.orchestrator.job.states import JobState
 
     controller, events = _controller()
 

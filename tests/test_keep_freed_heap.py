@@ -15,12 +15,12 @@ pytestmark = [pytest.mark.timeout(120),
 # glibc's largest dynamic mmap threshold, 32 MiB: by default each one is a fresh mapping,
 # 12,288 page faults each time). Tuned, the heap keeps the freed blocks; torch's aligned
 # allocations take a few rounds to settle into them, and once in ~10 runs one more than the
-# warm-up (a single buffer's 12,288 faults, seen in CI at stop 29), so up to two buffers' worth
+# warm-up (a single buffer's 12,288 faults, seen once in CI), so up to two buffers' worth
 # is allowed: against ten by default (at least eight asserted).
 SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
     import torch
-    from workers.launch import keep_freed_heap
+    from tenax.workers.launch import keep_freed_heap
 
     tuned = keep_freed_heap() if sys.argv[1] == "tune" else None
     for _ in range(20):  # the heap grows to its steady size (aligned blocks need a few)

@@ -5,10 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.config import ModelArgs
-from parallel.layout import MESH_DIMS, LayoutError, ParallelLayout, degree_problems
-from workers.spec import SpecError, layout_from_spec, load_spec
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout, degree_problems
+from tenax.workers.spec import SpecError, layout_from_spec, load_spec
 from tests.distributed import free_port, init_gloo, run_ranks, shutdown_gloo
+
 
 @st.composite
 def layouts(draw: st.DrawFn) -> ParallelLayout:
@@ -93,7 +94,7 @@ def test_validation_messages():
 
 def test_spec_and_layout_check_one_rule_set():
     """The spec's cross-field checks and the layout's validation are the same rules
-    (parallel.layout.degree_problems), so they reject alike, with the same words."""
+    (tenax.parallel.layout.degree_problems), so they reject alike, with the same words."""
     model = load_spec().model.args()
     with pytest.raises(SpecError) as spec_err:
         load_spec(overrides=["parallel.tp=3"])

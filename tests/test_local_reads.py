@@ -10,10 +10,12 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from checkpoint.local_reads import LocalChunkReader
-from checkpoint.metadata_codec import ShardLocation
-from checkpoint.shards import RawReader, ShardError, byte_view
-from checkpoint.storage import Storage, StorageError
+from tenax.checkpoint.errors import ShardError
+from tenax.checkpoint.format.metadata_codec import ShardLocation
+from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.load.local_reads import LocalChunkReader
+from tenax.checkpoint.load.raw_reader import RawReader
+from tenax.checkpoint.tensor_bytes import byte_view
 
 VERSION = "step_00000001"
 FILE = "__0_0.distcp"

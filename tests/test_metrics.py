@@ -16,7 +16,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import MetricsServer, attach
+from tenax.orchestrator.job.metrics import MetricsServer, attach
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"job", "rank", "node"}
@@ -242,11 +242,11 @@ def test_real_kill_shows_rank_down_then_recovery(tmp_path: Any) -> None:
     """A real controller on an embedded Ray with `kill rank=1`: the poll that sees the death
     exports rank 1 down before the group is re-formed; afterwards every rank is up again and
     the restart and recovery are counted."""
-    from orchestrator.chaos import parse_chaos
-    from orchestrator.controller import Controller, JobState
-    from orchestrator.metrics import TenaxCollector
-    from orchestrator.runner import ray_session
-    from orchestrator.spec import load_spec
+    from tenax.orchestrator.chaos.faults import parse_chaos
+    from tenax.orchestrator.cli.runner import ray_session
+    from tenax.orchestrator.job.controller import Controller, JobState
+    from tenax.orchestrator.job.metrics import TenaxCollector
+    from tenax.orchestrator.spec import load_spec
 
     spec = load_spec(ROOT / "examples" / "tiny.yaml",
                      ["train.steps=80", f"checkpoint.uri=file://{tmp_path}/ckpt"])

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.config import ModelArgs
-from parallel.model import (Attention, Transformer, build_model, cross_entropy_sum, init_weights,
-                            param_seed, rotary_cos_sin)
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.model import (Attention, Transformer, build_model, cross_entropy_sum,
+                                  init_weights, param_seed, rotary_cos_sin)
+from tenax.workers.data import TokenDataLoader
+from tenax.workers.spec import DataSpec
 from tests.distributed import run_ranks
-from workers.data import TokenDataLoader
-from workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def test_cross_entropy_sum() -> None:
 
 
 def test_moe_spec_builds_moe_feed_forward() -> None:
-    from parallel.expert_parallel import MoEFeedForward
+    from tenax.parallel.expert_parallel import MoEFeedForward
 
     spec = tiny_spec(moe={"num_experts": 4, "top_k": 2})
     model = build_model(spec, SEED)

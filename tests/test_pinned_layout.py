@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.spec import plan_for_spec
+from tenax.orchestrator.spec import plan_for_spec
 from tests.distributed import run_ranks
 from tests.engine_jobs import tiny_spec, train_job
 

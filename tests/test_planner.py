@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.presets import PRESETS
-from orchestrator.spec import JobSpec, plan_for_spec
-from parallel.config import ModelArgs, MoEArgs
-from parallel.planner import PlanError, PlanResult, plan_layout
+from tenax.orchestrator.presets import PRESETS
+from tenax.orchestrator.spec import JobSpec, plan_for_spec
+from tenax.parallel.config import ModelArgs, MoEArgs
+from tenax.parallel.planner import PlanError, PlanResult, plan_layout
 
 REASON = re.compile(r"^(slower: .+ s vs .+ s \(more .+\)|does not fit: [\d.]+ GiB > [\d.]+ GiB|"
                     r"tie at .+)$")

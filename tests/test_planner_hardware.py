@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from orchestrator.cli import main as cli_main
-from parallel.config import ModelArgs
-from parallel.cost_model import train_flops_per_token
-from parallel.hardware import GPUS, gpu_from_device_name, gpu_model, planner_options
-from parallel.planner import plan_layout
-from workers.presets import PRESETS
+from tenax.orchestrator.cli.main import main as cli_main
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.cost_model import train_flops_per_token
+from tenax.parallel.hardware import GPUS, gpu_from_device_name, gpu_model, planner_options
+from tenax.parallel.planner import plan_layout
+from tenax.workers.presets import PRESETS
 
 
 def plan_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:

@@ -101,7 +101,7 @@ def tenax_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob]:
     """A real `tenax run --metrics-port` on an embedded Ray."""
     tmp = tmp_path_factory.mktemp("tenax-run")
     port, log = free_port(), tmp / "run.log"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=100000", "--set", f"checkpoint.uri=file://{tmp}/ckpt",
            "--set", "checkpoint.every_steps=100", "--metrics-port", str(port)]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
@@ -271,7 +271,7 @@ def test_dashboard_is_importable_grafana_json() -> None:
 
 
 def test_deploy_manifests_parse_with_required_fields() -> None:
-    from orchestrator.spec import parse_spec_text, spec_from_dict
+    from tenax.orchestrator.spec import parse_spec_text, spec_from_dict
 
     cluster = yaml.safe_load((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"

@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from checkpoint.snapshot_store import SNAPSHOT_ENV, SnapshotDir, SnapshotError, SnapshotStamp, \
-    crc32c_of
-from workers.replica_stream import CRC_STRETCH, MAGIC, Endpoint, recv_checksummed, send_snapshot
-from workers.snapshot_keeper import SnapshotKeeper
+from tenax.checkpoint.memory.snapshot_store import (SNAPSHOT_ENV, SnapshotDir, SnapshotError,
+                                                    SnapshotStamp, crc32c_of)
+from tenax.workers.replica_stream import (CRC_STRETCH, MAGIC, Endpoint, recv_checksummed,
+                                          send_snapshot)
+from tenax.workers.snapshot_keeper import SnapshotKeeper
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,7 +219,7 @@ def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypat
 
 
 def test_connections_beyond_the_cap_are_closed_and_a_sender_gets_through_after(pair, monkeypatch):
-    from workers import replica_stream
+    from tenax.workers import replica_stream
 
     monkeypatch.setattr(replica_stream, "MAX_CONNECTIONS", 2)
     receiver, send = pair

@@ -92,7 +92,7 @@ def test_first_phase_started_fresh_and_saves_were_committed(dense_chain: list[di
 
 def _valid_layouts() -> list[dict]:
     spec = ckpt_spec("memory://unused")
-    from parallel.layout import ParallelLayout
+    from tenax.parallel.layout import ParallelLayout
 
     out = []
     for dp in (1, 2, 3, 4):

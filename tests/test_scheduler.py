@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.policies import Action, Capacity
-from orchestrator.scheduler import (ADMIT, EXPIRE, GROW, PREEMPT, REFUSE, SHRINK, WAIT, Cluster,
-                                    JobView, Snapshot, allotted_capacity, decide, never_fits,
-                                    preempt_decision)
+from tenax.orchestrator.job.job_policy import Action, Capacity, allotted_capacity, preempt_decision
+from tenax.orchestrator.service.scheduling_policy import (ADMIT, EXPIRE, GROW, PREEMPT, REFUSE,
+                                                          SHRINK, WAIT, Cluster, JobView, Snapshot,
+                                                          decide, never_fits)
 
 TWO_BY_TWO = Cluster((2, 2))
 

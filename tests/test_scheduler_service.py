@@ -1,7 +1,7 @@
 """`tenax serve`'s scheduler end to end: a real gRPC server and real jobs on a real multi-node
 Ray (cluster_utils: 2 raylets x 2 fake GPUs on 127.0.0.1, one cluster for the module).
 
-Issue 16's "Checked by": a job larger than the free GPUs is QUEUED and starts when the earlier
+What the scheduler promises: a job larger than the free GPUs is QUEUED and starts when the earlier
 job ends (two equal jobs never overlap), a job that can never fit is refused at submission,
 a queue wait past queue_timeout_s fails, the autoscaler request is visible while a job waits
 and withdrawn after; a priority-10 job shrinks an elastic job that grows back with its clean
@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
-from tenax.v1 import jobs_pb2 as pb
 
-from orchestrator.spec import load_spec
+from tenax.orchestrator.spec import load_spec
+from tenax.v1 import jobs_pb2 as pb
 from tests.ray_helpers import ray_env, reference_losses
-from tests.service_helpers import (ServerProcess, code_of, job_overrides, of, run_cli, states,
-                                   stub, submit, wait_until, watch)
+from tests.service_helpers import (ServerProcess, code_of, job_overrides, of, run_cli, states, stub,
+                                   submit, wait_until, watch)
 
 pytestmark = pytest.mark.timeout(600)
 WHOLE = ["resources.nodes=2", "resources.gpus_per_node=2", "resources.min_nodes=2"]
@@ -48,10 +48,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def server(cluster, tmp_path_factory):
-    from orchestrator.jobs import JobManager
-    from orchestrator.metrics import MetricsServer
-    from orchestrator.service import JobServer, ServerOptions
-    from orchestrator.store import JobStore
+    from tenax.orchestrator.job.metrics import MetricsServer
+    from tenax.orchestrator.service.jobs import JobManager
+    from tenax.orchestrator.service.server import JobServer, ServerOptions
+    from tenax.orchestrator.service.store import JobStore
 
     store = JobStore(tmp_path_factory.mktemp("state"), exclusive=True)
     metrics = MetricsServer(0, "127.0.0.1")

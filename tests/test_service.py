@@ -20,11 +20,11 @@ from importlib.metadata import version
 
 import grpc
 import pytest
-from tenax.v1 import jobs_pb2 as pb
 
+from tenax.v1 import jobs_pb2 as pb
 from tests.service_helpers import (REPO, ServerProcess, auth, bad_rpcs, bad_specs, code_of,
-                                   fuzz_call, job_overrides, of, pids_mentioning, run_cli,
-                                   states, stub, submit, wait_until, watch)
+                                   fuzz_call, job_overrides, of, pids_mentioning, run_cli, states,
+                                   stub, submit, wait_until, watch)
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "t0ken-for-tests"
@@ -61,10 +61,10 @@ def ray_address():
 
 @pytest.fixture(scope="module")
 def server(ray_address, tmp_path_factory):
-    from orchestrator.jobs import JobManager
-    from orchestrator.metrics import MetricsServer
-    from orchestrator.service import JobServer, ServerOptions
-    from orchestrator.store import JobStore
+    from tenax.orchestrator.job.metrics import MetricsServer
+    from tenax.orchestrator.service.jobs import JobManager
+    from tenax.orchestrator.service.server import JobServer, ServerOptions
+    from tenax.orchestrator.service.store import JobStore
 
     store = JobStore(tmp_path_factory.mktemp("state"), exclusive=True)
     metrics = MetricsServer(0, "127.0.0.1")
@@ -184,8 +184,8 @@ def test_auth_health_and_reflection(server):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a test cert")
 def test_tls_with_a_self_signed_certificate(server, tmp_path):
-    from orchestrator.client import Client, RpcFailed
-    from orchestrator.service import JobServer, ServerOptions
+    from tenax.orchestrator.cli.client import Client, RpcFailed
+    from tenax.orchestrator.service.server import JobServer, ServerOptions
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -306,7 +306,7 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
         s = stub(first.port)
         job_id = submit(s, [], job_overrides(tmp_path, "killed", CLEAN))
         watcher = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "watch", job_id, "--json", "--server",
+            [sys.executable, "-m", "tenax.orchestrator.cli.main", "watch", job_id, "--json", "--server",
              f"127.0.0.1:{first.port}"], cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         watch(s, [], job_id, timeout_s=120,
@@ -359,7 +359,7 @@ def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path
             except ProcessLookupError:
                 pass
         shutil.rmtree(private, ignore_errors=True)
-    from orchestrator.store import JobStore
+    from tenax.orchestrator.service.store import JobStore
 
     store = JobStore(state)
     try:

@@ -7,14 +7,15 @@ import signal
 import pytest
 import torch
 
-from checkpoint.catalog import Catalog, version_name
-from checkpoint.restore import assemble_version
-from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, crc32c_of
-from checkpoint.storage import Storage
-from orchestrator.recovery_source import SnapshotPiece, choose_recovery_source
+from tenax.checkpoint.format.catalog import Catalog, version_name
+from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.memory.restore import assemble_version
+from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
+                                                    crc32c_of)
+from tenax.orchestrator.placement.recovery_policy import SnapshotPiece, choose_recovery_source
 from tests.distributed import rank_context, run_ranks
-from tests.snapshot_jobs import (handed_plan_job, load_both_job, not_ready_job,
-                                 reused_plan_job, snapshot_and_save_job)
+from tests.snapshot_jobs import (handed_plan_job, load_both_job, not_ready_job, reused_plan_job,
+                                 snapshot_and_save_job)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,7 +24,7 @@ COMMIT = {"layout": {"dp": 1}, "model_hash": "h", "data_cursor": 4, "seed": 0, "
 
 
 def _stamp(step: int, files: dict[str, bytes], generation: int = 1) -> SnapshotStamp:
-    from checkpoint.snapshot_store import crc32c_of
+    from tenax.checkpoint.memory.snapshot_store import crc32c_of
 
     return SnapshotStamp(generation, 0, 1, step, {n: [len(d), crc32c_of([d])] for n, d in files.items()},
                          COMMIT)
@@ -147,7 +148,7 @@ def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
 def test_snapshots_wait_for_the_replica_so_every_node_keeps_its_step(tmp_path):
     """With a peer, a new snapshot is taken only once the agent sent the last one: the step a
     replica holds is then still in every rank's double buffer (complete across nodes)."""
-    from checkpoint.snapshot import MemorySnapshotter
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
     from tests.ckpt_jobs import DictState, ckpt_spec
 
     state, store = DictState(), SnapshotDir(str(tmp_path))
@@ -169,9 +170,9 @@ def test_snapshots_wait_for_the_replica_so_every_node_keeps_its_step(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
 def test_a_rank_maps_its_two_buffers_once_and_unmaps_them_at_close(tmp_path):
-    """The copying thread writes through mappings it keeps (checkpoint/buffer_maps.py): the
+    """The copying thread writes through mappings it keeps (checkpoint/memory/buffer_maps.py): the
     same two buffers step after step, nothing of a rewritten or closed one left mapped."""
-    from checkpoint.snapshot import MemorySnapshotter
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
     from tests.ckpt_jobs import DictState, ckpt_spec
 
     def mapped() -> list[str]:
@@ -224,8 +225,8 @@ def test_a_plan_handed_to_a_restarted_process_is_reused_only_from_one_round(tmp_
 
 
 def test_a_handed_plan_of_another_rank_or_size_is_refused():
-    from checkpoint.plan_codec import PlanFormatError, decode_plan, encode_plan
-    from checkpoint.planning import PlanCache
+    from tenax.checkpoint.save.plan_codec import PlanFormatError, decode_plan, encode_plan
+    from tenax.checkpoint.save.planning import PlanCache
 
     blob = encode_plan(PlanCache([], [], [], "__1_0.distcp", 0, None, token=7), 1, 2)
     assert decode_plan(blob, 1, 2).file == "__1_0.distcp"
@@ -241,8 +242,8 @@ def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_comp
                                                                                          monkeypatch):
     """Ranks 2 and 3 live on the lost node; rank 2's replica of step 12 arrived, rank 3's did not.
     Step 11 must still be whole: every rank's piece of it is somewhere (replicas keep two)."""
-    from checkpoint.snapshot_store import SNAPSHOT_ENV
-    from workers.snapshot_keeper import SnapshotKeeper
+    from tenax.checkpoint.memory.snapshot_store import SNAPSHOT_ENV
+    from tenax.workers.snapshot_keeper import SnapshotKeeper
 
     monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
     survivor = SnapshotKeeper()  # the agent holding ranks 2 and 3's replicas (one per slot here)

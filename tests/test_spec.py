@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 
-from orchestrator.presets import PRESETS
-from orchestrator.spec import JobSpec, SpecError, load_spec
+from tenax.orchestrator.presets import PRESETS
+from tenax.orchestrator.spec import JobSpec, SpecError, load_spec
 
 DESIGN_EXAMPLE = """
 name: tiny-llama

@@ -1,4 +1,4 @@
-"""Tests for checkpoint.storage: confinement to the root, I/O on file://, memory:// and s3://.
+"""Tests for tenax.checkpoint.format.storage: confinement to the root, I/O on file://, memory:// and s3://.
 
 The s3:// tests run against a moto S3 server on 127.0.0.1 (no network leaves the machine); they
 are skipped, saying why, only when moto or s3fs is not installed.
@@ -16,10 +16,10 @@ from typing import Iterator
 import fsspec
 import pytest
 
-from checkpoint import storage as storage_mod
-from checkpoint.catalog import Catalog
-from checkpoint.storage import (Storage, StorageError, StorageNotFoundError, StorageTimeoutError,
-                                validate_relpath)
+from tenax.checkpoint.format import storage as storage_mod
+from tenax.checkpoint.format.catalog import Catalog
+from tenax.checkpoint.format.storage import (Storage, StorageError, StorageNotFoundError,
+                                             StorageTimeoutError, validate_relpath)
 
 ESCAPES = [
     "..", "../x", "a/..", "a/../../b", "a/../b", "/abs", "/etc/passwd", "//x", "~/x", "~",

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from orchestrator.store import JobStore, StoreError
+from tenax.orchestrator.service.store import JobStore, StoreError
 
 
 def _spec(name: str = "job") -> str:

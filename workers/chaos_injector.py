@@ -2,7 +2,7 @@
 the ones aimed at this rank between steps.
 
 It lives in workers/ because it runs inside a rank's training process and imports point one
-way (orchestrator -> workers); `orchestrator.chaos` parses `--chaos` into these events and
+way (orchestrator -> workers); `tenax.orchestrator.chaos.faults` parses `--chaos` into these events and
 re-exports them. Each fault fires once per job, not once per attempt: a restart resumes from
 an earlier step and would otherwise meet the same `at=` again forever, so a rank claims an
 event (through the job's ledger) before injecting it.

@@ -34,7 +34,7 @@ import fsspec
 import numpy as np
 import torch
 
-from workers.spec import DataSpec, JobSpec
+from tenax.workers.spec import DataSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Why one module: a rank's step, a checkpoint commit, a failure the controller detected and a
 state change travel through the worker, the controller, the service's store and three
-front-ends (`tenax run`, `tenax watch`, `python -m workers.launch`). They are plain JSON
+front-ends (`tenax run`, `tenax watch`, `python -m tenax.workers.launch`). They are plain JSON
 objects on the wire and in `--log-json` (the pinned fields of DESIGN.md, unchanged), and this
 module is the one place that knows how each kind reads as a sentence. It lives in `workers/`
 because the lowest layer that emits events is the rank; the orchestrator imports it from here.

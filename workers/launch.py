@@ -1,6 +1,6 @@
 """Launch a job on local gloo ranks without Ray, for tests and debugging.
 
-    python -m workers.launch JOB.yaml --nproc 4 [--set KEY=VALUE ...] [--log-json PATH]
+    python -m tenax.workers.launch JOB.yaml --nproc 4 [--set KEY=VALUE ...] [--log-json PATH]
 
 `run_rank` is the per-rank entry point that `tenax run` reuses inside its Ray workers: join a
 process group, build the trainer for the layout, run steps, report each one. The launcher here
@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from workers.memory_options import MemoryOptions, begin_rank, snapshotter
+from tenax.workers.memory_options import MemoryOptions, begin_rank, snapshotter
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +133,12 @@ def run_rank(spec_dict: dict[str, Any], layout_dict: dict[str, Any], rank: int, 
     to `on_event` (default `on_step`). `should_stop` is polled at every step boundary; when any
     rank says stop, all save at that boundary and return {"event": "stopped", ...}.
     `memory` (from the rank's agent): where per-step in-memory snapshots go, and an assembled
-    snapshot to resume from instead of storage (checkpoint/snapshot.py, restore.py).
+    snapshot to resume from instead of storage (checkpoint/memory/snapshot.py, restore.py).
     """
     import torch
 
-    from parallel.layout import ParallelLayout
-    from workers.spec import spec_from_dict
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.spec import spec_from_dict
 
     torch.set_num_threads(1)
     keep_freed_heap()
@@ -162,9 +162,9 @@ def _train(spec: Any, layout: Any, rank: int, world: int, on_step: Callable | No
            resume: bool, storage_options: dict[str, Any] | None,
            slow_factor: Callable[[], float] | None = None,
            memory: MemoryOptions | None = None) -> dict[str, Any]:
-    from checkpoint.manager import CheckpointManager
-    from workers.events import stamp
-    from workers.trainer import Trainer
+    from tenax.checkpoint.manager import CheckpointManager
+    from tenax.workers.events import stamp
+    from tenax.workers.trainer import Trainer
 
     # A resuming rank loads every weight: initialising them first would be wasted (~45 ms).
     trainer = Trainer(spec, layout, initialise=not resume)
@@ -297,11 +297,11 @@ def _next_event(queue: Any, procs: list, deadline: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from parallel.layout import LayoutError
-    from workers.spec import SpecError, layout_from_spec, load_spec
-    from workers.events import human
+    from tenax.parallel.layout import LayoutError
+    from tenax.workers.events import human
+    from tenax.workers.spec import SpecError, layout_from_spec, load_spec
 
-    parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tenax.workers.launch", description=__doc__.split("\n")[0])
     parser.add_argument("spec", nargs="?", help="job spec (YAML/JSON); default: the embedded tiny job")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -4,7 +4,7 @@ how the process begins from them.
 The agent (workers/worker.py) owns the snapshot directory, the newest save plan of the rank's
 previous process and the snapshot assembled for a restore; the rank (workers/launch.py) takes
 the plan over, resumes from the assembled snapshot when every rank can read it (from storage
-otherwise), and takes per-step snapshots (checkpoint/snapshot.py).
+otherwise), and takes per-step snapshots (checkpoint/memory/snapshot.py).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def begin_rank(mgr: Any, trainer: Any, memory: MemoryOptions | None, resume: boo
 
 def hand_over_plans(plans: Any, memory: MemoryOptions, rank: int, world: int) -> None:
     """Adopt the save plan this rank's previous process left with the agent, and hand each new
-    one over for the next (checkpoint/plan_codec.py: a restart then skips ~0.1 s of planning)."""
-    from checkpoint.plan_codec import PlanFormatError, decode_plan, encode_plan
+    one over for the next (checkpoint/save/plan_codec.py: a restart then skips ~0.1 s of planning)."""
+    from tenax.checkpoint.save.plan_codec import PlanFormatError, decode_plan, encode_plan
 
     if memory.plan is not None:
         try:
@@ -58,8 +58,8 @@ def snapshotter(spec: Any, mgr: Any, rank: int, world: int,
                  memory: MemoryOptions | None) -> Any:
     if memory is None or memory.snapshot_dir is None or spec.checkpoint.memory_every_steps <= 0:
         return None
-    from checkpoint.planning import all_ranks_agree
-    from checkpoint.snapshot import MemorySnapshotter
+    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
 
     return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
                              memory.generation, all_ranks_agree, memory.on_snapshot,
@@ -68,7 +68,7 @@ def snapshotter(spec: Any, mgr: Any, rank: int, world: int,
 
 def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
     """Load the assembled snapshot when every rank can read it; storage otherwise."""
-    from checkpoint.planning import all_ranks_agree
+    from tenax.checkpoint.collectives import all_ranks_agree
 
     uri = memory.restore_uri if memory is not None else None
     if uri is not None:
@@ -83,8 +83,8 @@ def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str
 
 
 def readable(uri: str) -> bool:
-    from checkpoint.catalog import Catalog
-    from checkpoint.storage import Storage, StorageError
+    from tenax.checkpoint.format.catalog import Catalog
+    from tenax.checkpoint.format.storage import Storage, StorageError
 
     try:
         return bool(Catalog(Storage(uri, timeout_s=10.0)).committed_steps())

@@ -19,7 +19,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_model(name: str) -> dict[str, Any]:
-    from workers.spec import SpecError
+    from tenax.workers.spec import SpecError
 
     if name not in PRESETS:
         raise SpecError(f"--model-preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")

@@ -1,6 +1,6 @@
 """ReplicaReceiver: a snapshot's files from one agent straight into its peer's tmpfs buffer.
 
-Why not Ray's object store (the replicas' transport until stop 26): every step each rank's
+Why not Ray's object store (the replicas' first transport): every step each rank's
 whole snapshot was put into the sender's object store, registered with the GCS, pulled by the
 peer's raylet and copied out again — ~70 ms of CPU per step for two 18 MiB replicas on this
 2-core host (agents, raylet, GCS), and on a real node with GBs of state per rank and eight
@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from checkpoint.snapshot_store import SnapshotError, SnapshotStamp, crc32c_of
+from tenax.checkpoint.memory.snapshot_store import SnapshotError, SnapshotStamp, crc32c_of
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """SnapshotKeeper: the agent's half of in-memory snapshots.
 
 The rank's training process writes a snapshot every step into this agent's directory
-(checkpoint/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
+(checkpoint/memory/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
 to its peer (the agent one node further along the ring) and holds the replica the peer of the
 previous node sends here (workers/replica_stream.py: a direct TCP stream between the two
 agents, not Ray's object store). The controller asks every live agent what it holds
@@ -23,10 +23,11 @@ import threading
 import uuid
 from typing import Any
 
-from checkpoint.buffer_maps import BufferMaps
-from checkpoint.restore import assemble_version
-from checkpoint.snapshot_store import SnapshotDir, SnapshotError, SnapshotStamp, snapshot_root
-from workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
+from tenax.checkpoint.memory.buffer_maps import BufferMaps
+from tenax.checkpoint.memory.restore import assemble_version
+from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
+                                                    snapshot_root)
+from tenax.workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class SnapshotKeeper:
         self._epoch = 0  # bumped by drop_job: a replica arriving across it is not published
         self._stream: socket.socket | None = None  # the replica being sent, if any
         # The replica buffers' mappings, kept between replicas: mapping 18 MiB afresh for
-        # each one cost ~3 ms of CPU (checkpoint/buffer_maps.py). Two buffers per series, a
+        # each one cost ~3 ms of CPU (checkpoint/memory/buffer_maps.py). Two buffers per series, a
         # new generation's series beside the last one's.
         self._maps = BufferMaps(limit=4)
 

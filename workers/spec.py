@@ -4,9 +4,9 @@ Every key here is pinned by DESIGN.md; users, the CLI and the gRPC service all g
 `load_spec`/`JobSpec.model_validate`, so a bad spec fails the same way everywhere: a
 `SpecError` whose lines each name the field path and the offending value.
 
-It lives in workers/ (not orchestrator/) because the rank launcher, `python -m workers.launch
+It lives in workers/ (not orchestrator/) because the rank launcher, `python -m tenax.workers.launch
 JOB.yaml`, must parse it and imports point one way (orchestrator -> workers -> parallel);
-`orchestrator.spec` re-exports it. The engine never sees these models: `ModelSpec.args()` and
+`tenax.orchestrator.spec` re-exports it. The engine never sees these models: `ModelSpec.args()` and
 `layout_from_spec` hand `parallel/` its own plain config.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationError,
                       field_validator, model_validator)
 
-from parallel.config import ModelArgs
-from parallel.layout import ParallelLayout, degree_problems, layout_for
+from tenax.parallel.config import ModelArgs
+from tenax.parallel.layout import ParallelLayout, degree_problems, layout_for
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class FaultToleranceSpec(_Strict):
     hang_timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(10, ge=0)
     straggler_threshold: float = Field(0.9, gt=0, lt=1)  # bench/straggler_bench.py, README
-    straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/health.py
+    straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/job/health.py
 
     @model_validator(mode="after")
     def _timeouts(self) -> "FaultToleranceSpec":
@@ -252,7 +252,7 @@ class JobSpec(_Strict):
 
 def cross_field_problems(spec: JobSpec) -> list[str]:
     """Checks between sections that hold whatever degrees the planner later picks; the rules
-    live in parallel.layout.degree_problems, which every layout is checked against too."""
+    live in tenax.parallel.layout.degree_problems, which every layout is checked against too."""
     return degree_problems(spec.model.args(), spec.parallel.model_dump(),
                            spec.train.global_batch_size)
 
@@ -344,7 +344,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def load_spec(path: str | Path | None = None, overrides: list[str] | None = None,
               preset: str | None = None) -> JobSpec:
     """Load a spec file (or the embedded default), apply a model preset and `--set` overrides."""
-    from workers.presets import preset_model
+    from tenax.workers.presets import preset_model
 
     raw: dict[str, Any] = {}
     if path is not None:

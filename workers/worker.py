@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from workers.snapshot_keeper import SnapshotKeeper
+from tenax.workers.snapshot_keeper import SnapshotKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,10 @@ logger = logging.getLogger(__name__)
 # ~0.06 s of CPU before its first step (numpy.ma alone, pulled in by np.unique, ~0.04 s).
 # tests/test_imports.py checks that a train-and-resume imports nothing past this list.
 PRELOAD = ["ray", "torch", "torch.distributed", "torch.distributed.tensor.debug", "numpy.ma",
-           "fsspec.implementations.chained", "workers.launch", "workers.trainer",
-           "workers.events", "parallel.parallelize", "parallel.expert_parallel",
-           "checkpoint.manager", "checkpoint.reshard", "checkpoint.snapshot",
-           "checkpoint.restore", "checkpoint.plan_codec", "workers.worker"]
+           "fsspec.implementations.chained", "tenax.workers.launch", "tenax.workers.trainer",
+           "tenax.workers.events", "tenax.parallel.parallelize", "tenax.parallel.expert_parallel",
+           "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard", "tenax.checkpoint.memory.snapshot",
+           "tenax.checkpoint.memory.restore", "tenax.checkpoint.save.plan_codec", "tenax.workers.worker"]
 
 
 @dataclass
@@ -93,9 +93,9 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
     # every full collection walked it: 0.3 s inside the first checkpoint load's pickling,
     # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
     gc.freeze()
-    from workers.chaos_injector import ChaosInjector
-    from workers.launch import run_rank
-    from workers.memory_options import MemoryOptions
+    from tenax.workers.chaos_injector import ChaosInjector
+    from tenax.workers.launch import run_rank
+    from tenax.workers.memory_options import MemoryOptions
 
     lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
 
@@ -132,7 +132,7 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
 
 
 class RankWorker:
-    """Ray actor body (made remote in `orchestrator.worker_group` with its slot's resources)."""
+    """Ray actor body (made remote in `tenax.orchestrator.placement.worker_group` with its slot's resources)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

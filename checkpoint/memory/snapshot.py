@@ -1,0 +1,205 @@
+"""MemorySnapshotter: every step, this rank's training state into host memory its agent owns.
+
+What a snapshot holds is exactly what a storage checkpoint of the same step would: the shard
+file DCP planned for this rank (ZeRO-1/2 moments as the rank's own pieces), rank 0's JSON
+`.metadata`, and what the manifest needs (layout, data cursor, seed, LR step). So recovery
+assembles the pieces into an ordinary version directory and loads it through the same
+resharding path as storage (checkpoint/memory/restore.py) — one implementation, not two.
+
+Off the critical path: `snapshot(step)` only plans (the plan and its views of the live tensors
+are reused while the state's identity holds, checkpoint/save/planning.py; one tiny all-reduce
+confirms it on every rank, with the step and whether the last replica went) and hands the copy
+to this rank's low-priority copying thread, which writes the live tensors into its kept
+mapping of the tmpfs file (buffer_maps.py) and checksums them chunk by chunk. The state
+changes only inside the next `optimizer.step()`, so a hook there (`fence_before_update`)
+waits for the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
+invisible. `on_done(event)` is called from the copying thread once the snapshot is complete
+(the agent then replicates it to a peer).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tenax.checkpoint.format.catalog import spec_hash
+from tenax.checkpoint.format.manifest import METADATA_NAME
+from tenax.checkpoint.memory.buffer_maps import BufferMaps
+from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
+from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background
+from tenax.checkpoint.save.planning import SavePlans
+from tenax.checkpoint.save.state import manifest_fields
+from tenax.checkpoint.save.writer import WRITER_NICE
+from tenax.checkpoint.tensor_bytes import byte_view
+
+logger = logging.getLogger(__name__)
+
+FENCE_TIMEOUT_S = 120.0
+# Each piece is copied and then checksummed in chunks that fit a core's cache, so the checksum
+# reads them from cache instead of memory (18 MiB: 4.8 ms as two passes, 3.8 ms chunked).
+COPY_CHUNK = 256 << 10
+
+
+class MemorySnapshotter:
+    """One rank's per-step snapshots into `SnapshotDir(root)` (series g<generation>-r<rank>)."""
+
+    def __init__(self, spec: Any, state: Any, rank: int, world: int, root: str,
+                 generation: int, agree: Callable[[bool], bool],
+                 on_done: Callable[[dict[str, Any]], None] | None = None,
+                 replicated: bool = False, plans: SavePlans | None = None) -> None:
+        """`plans`: the storage checkpoints' plan of the same state (the manager's `plans`),
+        so that whichever of the two saves first after a (re)start plans for both."""
+        self.spec, self.state, self.rank, self.world = spec, state, rank, world
+        self.store, self.generation = SnapshotDir(root), generation
+        self.agree, self.on_done, self.replicated = agree, on_done, replicated
+        self.every = spec.checkpoint.memory_every_steps
+        self.model_hash = spec_hash(spec.model)
+        self.skipped = 0
+        self.plans = plans or SavePlans()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None  # one copying thread, started once
+        self._finished: threading.Event | None = None  # the snapshot in flight is done
+        self._fence: Any = None
+        self.failed = 0
+        self._newest: int | None = None  # the last step this process published
+        # The double buffer's mappings, kept between snapshots (checkpoint/memory/buffer_maps.py)
+        self._maps = BufferMaps(limit=self.store.keep + 1)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def snapshot(self, step: int) -> None:
+        """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
+        self.wait()
+        self._drop_fence()
+        # Whether the replica caught up is agreed in the plan's own all-reduce (one per step)
+        ready = self._replica_caught_up() if self.replicated else None
+        try:
+            planned = self.plans.plan(self.state, self.rank, self.agree, ready)
+        except Exception as exc:  # a snapshot is an optimisation: never stop training for it
+            self.failed += 1
+            logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
+            return
+        if planned is None:
+            self.skipped += 1  # every rank skips alike: their newest steps stay the same
+            logger.info("rank %d: snapshot of step %d skipped: a replica is still on its way",
+                        self.rank, step)
+            return
+        tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
+        commit = manifest_fields(self.state, self.spec.name, self.model_hash)
+        partial = self.store.begin(self.generation, self.rank, step)
+        done, self._finished = threading.Event(), threading.Event()
+        if hasattr(self.state, "fence_before_update"):
+            self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
+        if self._worker is None:  # starting a thread per step cost 1-15 ms of this thread
+            self._worker = threading.Thread(target=self._serve, daemon=True,
+                                            name=SNAPSHOT_THREAD)
+            self._worker.start()
+        self._jobs.put((step, partial, planned.file, tensors, planned.metadata_bytes, commit,
+                        done, self._finished))
+
+    def _serve(self) -> None:
+        """The copying thread: low priority, one snapshot at a time, until close()."""
+        as_background(SNAPSHOT_THREAD, WRITER_NICE)
+        while (job := self._jobs.get()) is not None:
+            *args, finished = job
+            try:
+                self._copy(*args)
+            finally:
+                finished.set()
+
+    def _replica_caught_up(self) -> bool:
+        """Whether the agent has sent (or given up on) this rank's newest snapshot.
+
+        Why wait for it: with 2 local buffers and 1 replica, a step is complete across nodes
+        only if the replica's step is still held locally by every other rank; taking a new
+        snapshot only once the last one reached the peer keeps that true however slow the
+        network is (a slow link then costs snapshot frequency, never consistency)."""
+        if self._newest is None:  # this process published nothing yet
+            return True
+        sent = self.store.sent_step(self.generation, self.rank)
+        return sent is not None and sent >= self._newest
+
+    def _copy(self, step: int, partial: str, file: str | None,
+              tensors: list[tuple[int, torch.Tensor]], metadata: bytes | None,
+              commit: dict[str, Any], done: threading.Event) -> None:
+        t0 = time.monotonic()
+        try:
+            files: dict[str, list[int]] = {}
+            if file is not None:
+                files[file] = _write_pieces(self._maps, os.path.join(partial, file), tensors)
+            done.set()  # the live tensors are copied: the optimizer may change them now
+            if metadata is not None:
+                with open(os.path.join(partial, METADATA_NAME), "wb") as f:
+                    f.write(metadata)
+                files[METADATA_NAME] = [len(metadata), crc32c_of([metadata])]
+            stamp = SnapshotStamp(self.generation, self.rank, self.world, step, files, commit)
+            self.store.publish(partial, stamp)
+            first, self._newest = self._newest is None, step
+        except Exception as exc:
+            self.failed += 1
+            logger.warning("rank %d: snapshot of step %d failed: %s", self.rank, step, exc)
+            return
+        finally:
+            done.set()
+        if self.on_done is not None:
+            self.on_done({"event": "snapshot", "step": step, "generation": self.generation,
+                          "bytes": stamp.nbytes, "seconds": round(time.monotonic() - t0, 6),
+                          "first": first})  # this process's first: the controller tells it
+
+    def _at_fence(self, done: threading.Event) -> None:
+        if not done.wait(FENCE_TIMEOUT_S):
+            logger.error("rank %d: snapshot copy still running after %.0fs at the optimizer "
+                         "step", self.rank, FENCE_TIMEOUT_S)
+
+    def _drop_fence(self) -> None:
+        if self._fence is not None:
+            self._fence.remove()
+            self._fence = None
+
+    def wait(self, timeout_s: float = FENCE_TIMEOUT_S) -> None:
+        """Until the snapshot in flight (if any) is published or failed."""
+        if self._finished is not None:
+            if not self._finished.wait(timeout_s):
+                logger.error("rank %d: snapshot copy still running after %.0fs", self.rank,
+                             timeout_s)
+            self._finished = None
+
+    def close(self) -> None:
+        self.wait()
+        self._drop_fence()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(FENCE_TIMEOUT_S)
+            self._worker = None
+        self._maps.close()
+
+
+def _write_pieces(maps: BufferMaps, path: str, tensors: list[tuple[int, torch.Tensor]]
+                  ) -> list[int]:
+    """Copy the tensors' bytes at their planned offsets into the buffer's mapping; returns
+    [bytes, crc32c]."""
+    sources, size = [], 0
+    for offset, tensor in tensors:
+        if offset != size:
+            raise OSError(f"{path}: piece at {offset}, expected {size}")
+        sources.append(byte_view(tensor))
+        size += sources[-1].nbytes
+    if not size:
+        return [overwrite(path, []), 0]
+    buffer = np.frombuffer(maps.mapping(path, size), dtype=np.uint8)
+    crc, offset = 0, 0
+    for source in sources:
+        for start in range(0, len(source), COPY_CHUNK):
+            chunk = source[start:start + COPY_CHUNK]
+            target = buffer[offset + start:offset + start + len(chunk)]
+            np.copyto(target, chunk)  # releases the GIL, as crc32c does
+            crc = crc32c_of([target], crc)
+        offset += len(source)
+    return [size, crc]

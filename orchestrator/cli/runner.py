@@ -1,0 +1,171 @@
+"""`tenax run`: run one job in the foreground on Ray, with a progress bar and a JSON log.
+
+Without `--address` an embedded local Ray is started (on 127.0.0.1, private temp dir, one fake
+GPU slot per rank when the machine has none) and shut down afterwards. Exit code 0 only when
+the job reached train.steps. Ctrl-C or SIGTERM (what a batch scheduler or `kill` sends) stops
+the workers; committed checkpoints stay intact, so running the same command again resumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+from typing import Any, Iterator, TextIO
+
+from rich.markup import escape
+
+from tenax.orchestrator.chaos.faults import parse_chaos, validate_for_job
+from tenax.orchestrator.spec import JobSpec
+from tenax.workers.events import human, layout_text
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, spec: JobSpec) -> Iterator[None]:
+    """Connect to a cluster, or start (and later stop) an embedded one on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        slots = spec.resources.max_nodes * spec.resources.gpus_per_node
+        tmp = tempfile.mkdtemp(prefix="tenax-ray-")
+        ray.init(num_cpus=max(os.cpu_count() or 1, slots), num_gpus=slots,
+                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
+                 log_to_driver=False, configure_logging=False)
+        logger.info("started an embedded Ray with %d GPU slots (temp dir %s)", slots, tmp)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts(controller: Any) -> Iterator[None]:
+    """SIGTERM stops the job the way Ctrl-C does (a KeyboardInterrupt the controller turns into
+    CANCELLED after stopping the workers) instead of killing this process before it can stop
+    them. Why not rely on SIGINT alone: a job started in the background (`nohup ... &`) has
+    SIGINT ignored, and schedulers send SIGTERM. A second SIGTERM while stopping is logged,
+    not raised, so the stop itself is never cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set on the main thread
+        return
+    fired = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if fired.is_set():
+            logger.warning("already stopping the job (SIGTERM ignored); SIGKILL stops at once")
+            return
+        fired.set()
+        # The name travels as the controller's attribute, not on the exception: one raised
+        # inside a Ray call comes out of it as a plain KeyboardInterrupt (the cause would
+        # then read "Ctrl-C"). Setting an attribute is safe in a handler; posting
+        # to the inbox would take a lock the interrupted loop may hold.
+        controller.interrupted_by = "SIGTERM"
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class EventSink:
+    """Fans each event out to the JSON log, the console and an optional extra callback."""
+
+    def __init__(self, log_json: str | None, console: Any, progress: Any, task: Any,
+                 steps: int) -> None:
+        self.file: TextIO | None = open(log_json, "a") if log_json else None
+        self.console, self.progress, self.task, self.steps = console, progress, task, steps
+        self.extra: list[Any] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps({k: v for k, v in event.items() if k != "job"}) + "\n")
+            self.file.flush()
+        for callback in self.extra:
+            callback(event)
+        kind = event.get("event")
+        if kind == "step" and self.progress is not None:
+            self.progress.update(self.task, completed=event["step"],
+                                 description=f"loss {event['loss']:.4f} | "
+                                 f"{event['tokens_per_s']:.0f} tok/s | {layout_text(event['layout'])}")
+        elif kind == "done" and self.progress is not None:
+            # a job resumed at its last step never steps: the bar must still say where it is
+            self.progress.update(self.task, completed=event["step"],
+                                 description="already complete" if event.get("already_complete")
+                                 else "done")
+        if kind in LOUD or (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
+            self.console.print(_styled(event))
+        elif kind == "checkpoint":
+            self.console.print(f"[dim]{escape(human(event))}[/dim]")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green", "checkpoint_failed": "yellow", "done": "bold",
+        "chaos": "magenta", "scaled": "cyan", "straggler": "yellow"}
+
+
+def _styled(event: dict[str, Any]) -> str:
+    """The event's sentence, coloured by kind for the console."""
+    text = escape(human(event))
+    style = LOUD.get(event.get("event", ""))
+    return f"[{style}]{text}[/{style}]" if style else text
+
+
+def _queue(spec: JobSpec, sink: EventSink) -> str | None:
+    """Wait for the job's GPUs on a shared cluster (orchestrator/service/scheduler.py)."""
+    from tenax.orchestrator.service.scheduler import wait_for_gpus
+    from tenax.workers.events import Event
+
+    return wait_for_gpus(spec, lambda kind, **f: sink(Event.make(kind, **f).to_dict()))
+
+
+def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
+            address: str | None = None, metrics_port: int | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tenax.orchestrator.job.controller import Controller, JobState
+
+    chaos = parse_chaos(chaos_spec)
+    validate_for_job(chaos, spec.resources.world_size, spec.resources.nodes, spec.train.steps)
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                        transient=False)
+    with ray_session(address, spec), progress:
+        task = progress.add_task("starting", total=spec.train.steps, name=spec.name)
+        sink = EventSink(log_json, console, progress, task, spec.train.steps)
+        if address and (why := _queue(spec, sink)) is not None:  # a shared cluster: queue
+            sink.close()
+            console.print(f"Job {spec.name} not started: {escape(why)}.")
+            return 1
+        controller = Controller(spec, chaos, sink)
+        metrics = None
+        if metrics_port:
+            from tenax.orchestrator.job.metrics import serve_metrics
+
+            metrics = serve_metrics(controller, metrics_port, sink)
+        try:
+            with sigterm_interrupts(controller):
+                state = controller.run()
+        finally:
+            sink.close()
+            if metrics is not None:
+                metrics.close()
+    console.print(f"Job {controller.job_id} ended {state.value} at step {controller.step}"
+                  + (f": {escape(controller.cause)}" if controller.cause else "") + ".")
+    return 0 if state == JobState.SUCCEEDED and controller.step >= spec.train.steps else 1

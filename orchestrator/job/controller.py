@@ -1,0 +1,358 @@
+"""The job controller: a transition table plus the executors of the policies' decisions.
+
+    PENDING    | submit -> PLACING
+    PLACING    | start -> RUNNING, restart -> RECOVERING, fail -> FAILED
+    RUNNING    | succeed -> SUCCEEDED, restart -> RECOVERING, fail -> FAILED, rescale -> RESCALING
+    RESCALING  | succeed -> SUCCEEDED, replan -> PLACING, restart -> RECOVERING, fail -> FAILED
+    RECOVERING | replan -> PLACING
+    any        | cancel -> CANCELLED
+
+(`tenax.orchestrator.job.states.state_diagram()` prints this from the table; a test keeps them equal.)
+
+One loop iteration: drain the inbox (cancel, scale, node-lost reports from other threads),
+observe (poll heartbeats, collect node probes; the ranks' records are accounted for in
+`rank_records`), take one immutable `JobSnapshot`, ask `policies.decide` for a `Decision`, run
+its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the next
+poll, a request or a training process's end. The controller never decides by itself; PLACING's
+decision is the outcome of placing (a layout from `ScalingPolicy`, then start, or a failure for
+`restart_or_fail`).
+Every state has a deadline from the spec (`states.DEADLINES`). Ranks resume from the newest
+committed checkpoint (resharded into the new layout) inside `run_rank`; since data order and
+init depend only on (seed, sample index, name), a resumed run reproduces the clean losses.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import ray
+
+from tenax.orchestrator.job.facts import Recovery, Rescaling
+from tenax.orchestrator.job.goodput import Goodput
+from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
+from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
+                                          ScaleRequest)
+from tenax.orchestrator.job.job_policy import (STARTUP_HANG_FACTOR, Action, Capacity, Decision,
+                                               JobSnapshot, Limits, NodeLossPolicy, ScalingPolicy,
+                                               allotted_capacity, decide, preempt_decision,
+                                               restart_or_fail)
+from tenax.orchestrator.job.progress import absorb
+from tenax.orchestrator.job.states import DEADLINES, JobState, next_state
+from tenax.orchestrator.placement.capacity import cluster_capacity
+from tenax.orchestrator.placement.placer import PLACEMENT_ERRORS, Placer
+from tenax.orchestrator.placement.worker_group import WorkerGroup
+from tenax.orchestrator.spec import JobSpec
+from tenax.parallel.layout import ParallelLayout
+from tenax.workers.events import Event
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_CHECK_S = 2.0  # how often a running job looks for nodes that joined (cheap GCS call)
+
+__all__ = ["Controller", "JobState"]
+
+
+class Controller:
+    def __init__(self, spec: JobSpec, chaos: list[Any] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 job_id: str | None = None) -> None:
+        self.spec, self.limits = spec, Limits.from_spec(spec)
+        self.job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        self.subscribers: list[Callable[[dict[str, Any]], None]] = [on_event] if on_event else []
+        self.inbox, self._wake = Inbox(), threading.Event()
+        self.state, self.state_since = JobState.PENDING, time.monotonic()
+        self.group: WorkerGroup | None = None
+        self.layout: ParallelLayout | None = None
+        self.restarts, self.lost_steps, self.cause = 0, 0, ""
+        self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
+        self._target_nodes, self.cancel_requested = spec.resources.nodes, False
+        self.interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
+        self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
+        self.recovery = Recovery()
+        self.rank_faults: list[dict[str, Any]] = []  # drills the ranks inject (chaos driver)
+        self.ledger: Any = None
+        self.head_node = ""
+        self.goodput = Goodput(self.state_since)
+        self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
+        self.rescaling = Rescaling()
+        # Placing and starting actors on a loaded host can take longer than a step may hang;
+        # it gets the same allowance as a rank that is still starting.
+        self.placer = Placer(self.job_id, spec,
+                             STARTUP_HANG_FACTOR * spec.fault_tolerance.hang_timeout_s)
+        self.capacity_limit: Callable[[], int] | None = None  # tenax serve: nodes allotted
+        self.preempt_reason = ""  # tenax serve: stop at a boundary and end, to be requeued
+        self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
+        self.new_flags: tuple[StragglerFlag, ...] = ()
+        # Called after every heartbeat poll with (controller, records), e.g. metrics.observe.
+        self.observers: list[Callable[["Controller", list[dict[str, Any]]], None]] = []
+        self.chaos = None
+        if chaos:
+            from tenax.orchestrator.chaos.driver import ChaosDriver
+
+            self.chaos = ChaosDriver(chaos)
+            self.chaos.attach(self)
+
+    # ---- requests (any thread) ---------------------------------------------------------------
+    def cancel(self) -> None:
+        self.inbox.post(CancelRequest())
+        self._wake.set()
+
+    def scale(self, nodes: int) -> None:
+        """Ask for `nodes` nodes; ValueError (naming the field) outside [min_nodes, max_nodes]."""
+        r = self.spec.resources
+        if not r.min_nodes <= nodes <= r.max_nodes:
+            raise ValueError(f"nodes: {nodes} is outside [min_nodes={r.min_nodes}, "
+                             f"max_nodes={r.max_nodes}]")
+        self.inbox.post(ScaleRequest(nodes))
+        self._wake.set()
+
+    def preempt(self, reason: str) -> None:
+        """Stop at a checkpoint boundary and end CANCELLED with `preempted: reason`."""
+        self.inbox.post(PreemptRequest(reason))
+        self._wake.set()
+
+    def report_node_lost(self, block: int, reason: str) -> None:
+        self.inbox.post(NodeLostReport(block, reason))
+
+    def set_rank_faults(self, faults: list[dict[str, Any]], ledger: Any) -> None:
+        """Drills for the ranks to inject, and the ledger where they claim them."""
+        self.rank_faults, self.ledger = list(faults), ledger
+
+    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        self.subscribers.append(callback)
+
+    @property
+    def target_nodes(self) -> int:
+        pending = self.inbox.pending_scale()
+        return self._target_nodes if pending is None else pending
+
+    @property
+    def controller_chaos_fired(self) -> set[str]:
+        """Ids of the drills the chaos driver fired (what bench/soak.py audits)."""
+        return set(self.chaos.fired) if self.chaos else set()
+
+    # ---- loop --------------------------------------------------------------------------------
+    def run(self) -> JobState:
+        try:
+            while not self.state.terminal:
+                self.step_once()
+        except KeyboardInterrupt:
+            self.cancel_requested = True
+            self._transition(JobState.CANCELLED, f"interrupted ({self.interrupted_by})")
+        finally:
+            self._stop_group()
+        return self.state
+
+    def step_once(self) -> None:
+        self._drain_inbox()
+        preempt = preempt_decision(self.state.value, self.group is not None, self.preempt_reason,
+                                   self.cancel_requested)
+        if preempt is not None:
+            return self._execute(preempt)
+        if self.state == JobState.PLACING and not self.cancel_requested:
+            decision = self._place()
+        else:
+            records = self._observe()
+            decision = decide(self._snapshot())
+            if decision.action == Action.CONTINUE and not records:
+                self._idle()
+        self._execute(decision)
+
+    def _drain_inbox(self) -> None:
+        for request in self.inbox.drain():
+            if isinstance(request, CancelRequest):
+                self.cancel_requested = True
+            elif isinstance(request, ScaleRequest):
+                logger.info("job %s: target nodes %d -> %d (requested)", self.job_id,
+                            self._target_nodes, request.nodes)
+                self._target_nodes, self.next_capacity_check = request.nodes, 0.0
+            elif isinstance(request, PreemptRequest):
+                self.preempt_reason = request.reason
+            elif isinstance(request, NodeLostReport):
+                logger.warning("job %s: node block %d reported lost: %s", self.job_id,
+                               request.block, request.reason)
+                self.recovery.reported_lost.add(request.block)
+
+    def _observe(self) -> list[dict[str, Any]]:
+        """Gather this state's facts: heartbeats and records, or node probe answers."""
+        interval = self.spec.fault_tolerance.heartbeat_interval_s
+        if self.state == JobState.RECOVERING:
+            if not self.recovery.probes.started:
+                self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()),
+                                           self.group.agents_by_node() if self.group else None)
+            self.recovery.probes.collect(interval)
+            return []
+        if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:
+            return []
+        records = self.group.poll(interval)
+        absorb(self, records)
+        self.new_flags = tuple(self.stragglers.observe(records, self.layout.world_size))
+        for flag in self.new_flags:
+            self.publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
+                         node=self.group.ranks[flag.rank].node_id)
+        for observe in self.observers:
+            observe(self, records)
+        return records
+
+    def _snapshot(self) -> JobSnapshot:
+        now, rec = time.monotonic(), self.recovery
+        failure = rec.failure
+        recovering = self.state == JobState.RECOVERING
+        ranks = rec.health if recovering else \
+            tuple(self.group.health()) if self.group is not None else ()
+        capacity = 0
+        evicting = any(f.action == "evict" for f in self.new_flags)
+        if self.state == JobState.RUNNING and (evicting or now >= self.next_capacity_check):
+            self.next_capacity_check = now + CAPACITY_CHECK_S
+            capacity = self.capacity().nodes
+        world = self.layout.world_size if self.layout else 0
+        deadline = 0.0 if self.state.terminal else DEADLINES[self.state].seconds(self.spec.fault_tolerance)
+        return JobSnapshot(
+            ranks=ranks, restarts=self.restarts, limits=self.limits, state=self.state.value,
+            state_age_s=now - self.state_since, state_deadline_s=deadline,
+            cancel_requested=self.cancel_requested, stragglers=self.new_flags,
+            capacity_nodes=capacity, current_nodes=-(-world // self.limits.gpus_per_node),
+            target_nodes=self._target_nodes,
+            failed_ranks=failure.failed_ranks if failure else (),
+            known_lost=failure.lost_nodes if failure else (),
+            reported_lost=tuple(sorted(rec.reported_lost)), probed=rec.probes.nodes,
+            answered=tuple(rec.probes.answered), refused=tuple(rec.probes.refused),
+            failure_reason=failure.reason if failure else "")
+
+    def _idle(self) -> None:
+        """Nothing new: until the next heartbeat poll, a request, or a training process's end."""
+        if self.state in (JobState.RUNNING, JobState.RESCALING):
+            wait_s = max(0.0, self.spec.fault_tolerance.heartbeat_interval_s - 0.05)
+            if self.group is not None:
+                self.group.wait_for_change(wait_s, self._wake)
+            else:
+                self._wake.wait(wait_s)
+            self._wake.clear()
+
+    # ---- executors ---------------------------------------------------------------------------
+    def _execute(self, decision: Decision) -> None:
+        new = next_state(self.state, decision.action)
+        executor = {Action.SUBMIT: self._submit, Action.RESTART: self._on_failure,
+                    Action.FAIL: self._on_failure, Action.SUCCEED: self._on_success,
+                    Action.RESCALE: self._begin_rescale, Action.REPLAN: self._replan,
+                    Action.CANCEL: lambda d: self._stop_group()}.get(decision.action)
+        if executor is not None:
+            executor(decision)
+        if new != self.state:
+            self._transition(new, decision.reason)
+
+    def _transition(self, new: JobState, reason: str) -> None:
+        logger.info("job %s: %s -> %s: %s", self.job_id, self.state.value, new.value, reason)
+        self.state, self.state_since = new, time.monotonic()
+        phase = {JobState.PLACING: "placement", JobState.RUNNING: "startup",
+                 JobState.RECOVERING: "recovery", JobState.RESCALING: "recovery"}.get(new)
+        if phase:
+            self.goodput.begin(phase)
+        else:
+            self.goodput.end()
+        if new == JobState.FAILED:
+            self.cause = reason
+        self.publish("state", state=new.value, reason=reason)
+
+    def publish(self, event: str, /, **fields: Any) -> None:
+        """Stamp an event where it happens (now, unless `fields` carries its `time`) and hand
+        it to every subscriber: the job's sink, the chaos driver, metrics."""
+        doc = {**Event.make(event, **fields).to_dict(), "job": self.job_id}
+        for callback in list(self.subscribers):
+            callback(doc)
+
+    def _submit(self, decision: Decision) -> None:
+        # The driver runs on the head node; a `kill node` drill must never take it down.
+        self.head_node = ray.get_runtime_context().get_node_id()
+
+    def _place(self) -> Decision:
+        """PLACING's executor: plan a layout for the capacity, place and start the ranks."""
+        plan = ScalingPolicy().make_decision(self.spec, self.capacity(), self._target_nodes)
+        if plan.layout is None:
+            return Decision(Action.FAIL, plan.reason)
+        logger.info("job %s: layout decision: %s", self.job_id, plan.reason)
+        self.layout = plan.layout
+        try:
+            reuse = self._place_and_start(plan.layout)
+        except PLACEMENT_ERRORS as err:
+            return restart_or_fail(f"placement failed: {err}", self.restarts, self.limits,
+                                   kind="placement")
+        self.stragglers.reset()  # rank numbers now name other processes
+        self.publish("placed", layout=plan.layout.degrees(), world_size=plan.layout.world_size,
+                     reason=plan.reason, nodes=[h.node_id for h in self.group.ranks],
+                     ips=[h.ip for h in self.group.ranks], **reuse)
+        return Decision(Action.START, f"started {plan.layout.describe()} "
+                        f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
+
+    def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
+        """Place and start (orchestrator/placement/placer.py); a failure leaves no group behind."""
+        try:
+            placed = self.placer.place(self.group, layout, self.rank_faults, self.ledger,
+                                       self.head_node)
+        except PLACEMENT_ERRORS:
+            self.group = None
+            raise
+        self.group, self.recovery.source = placed.group, placed.source
+        if placed.notice:
+            self.publish("snapshots_off", reason=placed.notice)
+        return placed.reuse
+
+    def _on_failure(self, decision: Decision) -> None:
+        """RESTART and FAIL: report the root cause; keep the facts RECOVERING decides from."""
+        rec = self.recovery
+        rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
+        rec.health = tuple(self.group.health()) if self.group is not None else ()
+        rec.probes.reset()
+        if decision.failed_ranks:
+            self.publish("failure", step=self.max_step_seen, rank=decision.failed_ranks[0],
+                         ranks=list(decision.failed_ranks), cause=decision.reason,
+                         kind=decision.cause_kind)
+        if decision.action == Action.FAIL or decision.cause_kind == "placement":
+            self._stop_group(keep_snapshots=decision.action != Action.FAIL)  # restart cold
+
+    def _on_success(self, decision: Decision) -> None:
+        extra = {} if self.stepped else {"already_complete": True}
+        self.publish("done", step=self.step, loss=self.loss, restarts=self.restarts,
+                     lost_steps=self.lost_steps, goodput=self.goodput.summary(), **extra)
+
+    def _begin_rescale(self, decision: Decision) -> None:
+        self.rescaling.since, self.rescaling.old = time.monotonic(), self.layout
+        for h in self.group.ranks:
+            h.actor.request_stop.remote()
+
+    def _replan(self, decision: Decision) -> None:
+        """REPLAN: after RESCALING the ranks stopped cleanly; after RECOVERING drop the lost
+        nodes and count the restart."""
+        if self.state == JobState.RESCALING:
+            self.rescaling.stopped = True
+            return
+        for node, slots in decision.lost_nodes:
+            self.lost_slots[node] = self.lost_slots.get(node, 0) + slots
+            if self.group is not None:
+                self.group.mark_lost(node)
+            logger.warning("job %s: node %s lost (%d slot(s))", self.job_id, node[:8], slots)
+        self.restarts += 1
+        self.recovery.reported_lost.clear()
+        self.recovery.probes.reset()
+
+    def _stop_group(self, keep_snapshots: bool = False) -> None:
+        if self.group is not None:
+            if not keep_snapshots:  # the job ends: nothing will resume from them
+                self.group.drop_snapshots(self.spec.fault_tolerance.heartbeat_timeout_s)
+            self.group.shutdown()
+            self.group = None
+
+    # ---- capacity and status -----------------------------------------------------------------
+    def capacity(self) -> Capacity:
+        return allotted_capacity(cluster_capacity(self.limits.gpus_per_node, self.lost_slots),
+                                 self.capacity_limit)
+
+    def status(self) -> dict[str, Any]:
+        return {"job": self.job_id, "state": self.state.value, "step": self.step, "loss": self.loss,
+                "layout": self.layout.degrees() if self.layout else None,
+                "world_size": self.layout.world_size if self.layout else 0,
+                "restarts": self.restarts, "lost_steps": self.lost_steps, "cause": self.cause,
+                "goodput": self.goodput.summary()}

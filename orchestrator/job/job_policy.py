@@ -1,0 +1,359 @@
+"""Pure decisions: given one immutable snapshot of the job, say what to do and why.
+
+The controller gathers facts (rank health, node probe answers, restarts, capacity, requests
+from the inbox) into a `JobSnapshot`, asks `decide`, and only executes the `Decision` it gets
+back. Keeping the decisions pure makes every one of them table-testable without Ray and keeps
+every reason in one place, where it is logged. `max_restarts` is read here and nowhere else.
+
+Timeouts are the spec's named fields: `heartbeat_timeout_s` (no answer to heartbeats: the
+process or node is gone), `hang_timeout_s` (answers, but its step does not advance). A rank
+still starting (building the model, loading a checkpoint) gets twice `hang_timeout_s` before
+it counts as stuck, because loading a large checkpoint legitimately takes longer than a step.
+
+Rank end states: `done` (reached train.steps), `stopped` (committed a requested boundary
+checkpoint and exited), `failed` (an error or its process died), gone (`dead` actor or silent
+heartbeat). Every state's policy handles each of them, so no state waits for a report that
+can no longer come.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Callable
+
+from tenax.orchestrator.placement.capacity import Capacity
+
+if TYPE_CHECKING:
+    from tenax.orchestrator.job.health import StragglerFlag
+    from tenax.orchestrator.placement.worker_group import RankHealth
+    from tenax.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+STARTUP_HANG_FACTOR = 2.0
+ENDED = ("done", "stopped")
+
+
+class Action(str, Enum):
+    SUBMIT = "submit"
+    START = "start"
+    CONTINUE = "continue"
+    SUCCEED = "succeed"
+    RESTART = "restart"
+    FAIL = "fail"
+    RESCALE = "rescale"
+    REPLAN = "replan"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The spec fields the policies decide with (built once per job by `from_spec`)."""
+    max_restarts: int
+    heartbeat_timeout_s: float
+    hang_timeout_s: float
+    gpus_per_node: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "Limits":
+        ft, r = spec.fault_tolerance, spec.resources
+        return cls(ft.max_restarts, ft.heartbeat_timeout_s, ft.hang_timeout_s, r.gpus_per_node,
+                   r.min_nodes, r.max_nodes)
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """Everything a decision may depend on, taken at one moment by the controller."""
+    ranks: tuple["RankHealth", ...]
+    restarts: int
+    limits: Limits
+    state: str = "RUNNING"
+    state_age_s: float = 0.0
+    state_deadline_s: float = float("inf")
+    cancel_requested: bool = False
+    stragglers: tuple["StragglerFlag", ...] = ()  # raised by the latest window
+    capacity_nodes: int = 0
+    current_nodes: int = 0
+    target_nodes: int = 0
+    failed_ranks: tuple[int, ...] = ()  # of the failure being recovered
+    known_lost: tuple[tuple[str, int], ...] = ()  # (node, slots) the failure already names
+    reported_lost: tuple[int, ...] = ()  # node blocks reported lost (inbox: scheduler, drills)
+    probed: tuple[str, ...] = ()  # nodes being probed
+    answered: tuple[str, ...] = ()  # nodes whose probe ran
+    refused: tuple[str, ...] = ()  # nodes whose probe could not run (unreachable)
+    failure_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    failed_ranks: tuple[int, ...] = ()  # the root-cause rank first
+    cause_kind: str = ""  # dead | heartbeat | hang | error | straggler | placement | rescale
+    lost_nodes: tuple[tuple[str, int], ...] = ()  # (Ray node id, slots) to treat as gone
+    probe: tuple[str, ...] = ()  # RECOVERING: nodes to probe before deciding what is lost
+
+
+FailureDecision = Decision  # the name earlier callers use
+
+
+def restart_or_fail(reason: str, restarts: int, limits: Limits, failed: tuple[int, ...] = (),
+                    kind: str = "error", lost: tuple[tuple[str, int], ...] = ()) -> Decision:
+    """The one place `max_restarts` is read: a failure restarts the job until it is spent."""
+    if restarts >= limits.max_restarts:
+        return Decision(Action.FAIL, f"{reason}; max_restarts={limits.max_restarts} exhausted",
+                        failed, kind, lost)
+    return Decision(Action.RESTART, reason, failed, kind, lost)
+
+
+def rank_problem(r: "RankHealth", limits: Limits,
+                 stopped_ok: bool = False) -> tuple[int, int, str, str] | None:
+    """(priority, rank, kind, reason) of one rank's failure; lower priority = closer to root."""
+    if r.dead:
+        return 0, r.rank, "dead", f"rank {r.rank} died ({r.dead})"
+    if r.heartbeat_age_s > limits.heartbeat_timeout_s:
+        return 1, r.rank, "heartbeat", (f"rank {r.rank} missed heartbeats for {r.heartbeat_age_s:.1f} s "
+                                        f"(heartbeat_timeout_s={limits.heartbeat_timeout_s})")
+    if r.state == "failed" and (r.error or "").startswith("rank process"):
+        # The process itself died (signal, exit code): a root cause, unlike its peers' errors.
+        return 0, r.rank, "dead", f"rank {r.rank} died: {r.error}"
+    if r.state == "failed":
+        return 3, r.rank, "error", f"rank {r.rank} failed: {r.error}"
+    if r.state == "stopped" and not stopped_ok:
+        return 3, r.rank, "error", f"rank {r.rank} stopped although no stop was requested"
+    limit = limits.hang_timeout_s * (STARTUP_HANG_FACTOR if r.state == "starting" else 1.0)
+    if r.state in ("training", "starting") and r.step_age_s > limit:
+        what = "step" if r.state == "training" else "start-up"
+        return 2, r.rank, "hang", (f"rank {r.rank} hung: {what} did not advance for {r.step_age_s:.1f} s "
+                                   f"(limit {limit:.0f} s from hang_timeout_s={limits.hang_timeout_s})")
+    return None
+
+
+def _failure(snap: JobSnapshot, stopped_ok: bool) -> Decision | None:
+    problems = sorted(p for p in (rank_problem(r, snap.limits, stopped_ok) for r in snap.ranks) if p)
+    if not problems:
+        return None
+    _, root_rank, kind, root = problems[0]
+    # peers of a dead rank fail too; report the root cause first
+    failed = (root_rank,) + tuple(sorted({p[1] for p in problems} - {root_rank}))
+    return restart_or_fail(root, snap.restarts, snap.limits, failed, kind)
+
+
+class FailurePolicy:
+    """Continue, succeed, restart (within max_restarts) or fail, from rank health alone."""
+
+    def make_decision(self, snap: JobSnapshot) -> Decision:
+        if snap.ranks and all(r.state == "done" for r in snap.ranks):
+            return Decision(Action.SUCCEED, "every rank reached train.steps")
+        return _failure(snap, stopped_ok=False) or Decision(Action.CONTINUE, "all ranks healthy")
+
+
+class RescalePolicy:
+    """RESCALING: every rank must end (stopped at the boundary, or done) within the deadline."""
+
+    def make_decision(self, snap: JobSnapshot) -> Decision:
+        if snap.ranks and all(r.state == "done" for r in snap.ranks):
+            return Decision(Action.SUCCEED, "every rank reached train.steps before the stop")
+        if snap.ranks and all(r.state in ENDED and not r.dead for r in snap.ranks):
+            stopped = [r.step for r in snap.ranks if r.state == "stopped"]
+            return Decision(Action.REPLAN, f"all ranks stopped at step {max(stopped)}")
+        failure = _failure(snap, stopped_ok=True)
+        if failure is not None:
+            return failure
+        if snap.state_age_s > snap.state_deadline_s:
+            waiting = [r.rank for r in snap.ranks if r.state not in ENDED]
+            return restart_or_fail(f"ranks {waiting} did not commit the boundary checkpoint and "
+                                   f"stop within {snap.state_deadline_s:.0f} s "
+                                   f"({STARTUP_HANG_FACTOR:g} x hang_timeout_s)",
+                                   snap.restarts, snap.limits, tuple(waiting), "rescale")
+        return Decision(Action.CONTINUE, "waiting for the ranks to stop at a step boundary")
+
+
+class EvictionPolicy:
+    """`straggler_action: evict`: restart without the straggler's node-sized block of ranks
+    (placement packs ranks [k*g, (k+1)*g) on one node), unless that would stop the job."""
+
+    def make_decision(self, snap: JobSnapshot) -> Decision | None:
+        flag = next((f for f in snap.stragglers if f.action == "evict"), None)
+        if flag is None:
+            return None
+        g, nodes = snap.limits.gpus_per_node, [r.node_id for r in snap.ranks]
+        block = flag.rank // g
+        peers = range(block * g, min((block + 1) * g, len(nodes)))
+        ranks = (flag.rank,) + tuple(r for r in peers if r != flag.rank)
+        node = nodes[flag.rank]
+        reason = f"rank {flag.rank} is a straggler (score {flag.score:.2f}): evicting its node {node[:8]}"
+        if snap.restarts >= snap.limits.max_restarts or snap.capacity_nodes - 1 < snap.limits.min_nodes:
+            logger.warning("not evicting: %s; no restart or node to spare", reason)
+            return None
+        return Decision(Action.RESTART, reason, ranks, "straggler", ((node, len(ranks)),))
+
+
+def _blocks(snap: JobSnapshot) -> list[tuple[int, list["RankHealth"]]]:
+    g = snap.limits.gpus_per_node
+    return [(k, list(snap.ranks[k * g:(k + 1) * g])) for k in range(-(-len(snap.ranks) // g))]
+
+
+class NodeLossPolicy:
+    """RECOVERING: which node blocks are gone. A block is lost when the failure named it
+    (eviction), when it was reported lost (inbox), when every rank of it has been silent for a
+    whole heartbeat timeout, when its node's probe was refused (its raylet is down), or when
+    every rank of it failed and its node did not answer a probe within the state's deadline.
+    Every node of the group is probed, all at once, never in turn: when a node crashes, the
+    first failures seen are often the survivors' collective errors, while the crashed node's
+    own ranks have not been seen failing yet (a live node's agents answer in milliseconds)."""
+
+    def suspects(self, snap: JobSnapshot) -> tuple[str, ...]:
+        out = [block[0].node_id for k, block in _blocks(snap)
+               if block and not self._certain(snap, k, block)]
+        return tuple(dict.fromkeys(out))
+
+    def _certain(self, snap: JobSnapshot, k: int, block: list["RankHealth"]) -> bool:
+        return k in snap.reported_lost or self._silent(snap, block) or \
+            any(node == block[0].node_id for node, _ in snap.known_lost)
+
+    @staticmethod
+    def _silent(snap: JobSnapshot, block: list["RankHealth"]) -> bool:
+        """Every rank of the block silent for a whole heartbeat timeout. The ranks of a node
+        frozen at one moment can cross the timeout a poll apart (their last replies came in
+        different polls), so the failure may name only some of them; RECOVERING polls no
+        heartbeats, so for a block already quiet at the failure (every rank past half the
+        timeout) the time since counts too, while its node answers no probe."""
+        limit = snap.limits.heartbeat_timeout_s
+        ages = [r.heartbeat_age_s for r in block]
+        if all(a > limit for a in ages):
+            return True
+        if snap.state != "RECOVERING" or block[0].node_id in snap.answered:
+            return False
+        return all(a > limit / 2 and a + snap.state_age_s > limit for a in ages)
+
+    def make_decision(self, snap: JobSnapshot) -> Decision:
+        certain = {block[0].node_id for k, block in _blocks(snap)
+                   if block and self._certain(snap, k, block)}
+        pending = set(snap.probed) - set(snap.answered) - set(snap.refused)
+        if pending - certain and snap.state_age_s <= snap.state_deadline_s:
+            return Decision(Action.CONTINUE, f"waiting for {len(pending - certain)} node probe(s)")
+        lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
+        for _, block in _blocks(snap):
+            node = block[0].node_id if block else ""
+            whole = bool(block) and all(r.rank in failed or r.dead for r in block)
+            if block and node not in lost and (node in certain or node in snap.refused or
+                                               (whole and node in pending)):
+                lost[node] = len(block)
+        gone = "; ".join(f"node {n[:8]} lost ({s} slot(s))" for n, s in lost.items())
+        reason = f"restart {snap.restarts + 1}/{snap.limits.max_restarts} after: {snap.failure_reason}"
+        return Decision(Action.REPLAN, reason + (f"; {gone}" if gone else ""),
+                        snap.failed_ranks, lost_nodes=tuple(lost.items()))
+
+
+@dataclass(frozen=True)
+class RescaleDecision:
+    rescale: bool
+    nodes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    layout: "ParallelLayout | None"
+    nodes: int
+    reason: str
+    runners_up: list[str] = field(default_factory=list)
+
+
+def wants_rescale(snap: JobSnapshot) -> RescaleDecision:
+    """Whether a running job should re-plan now: the target moved, or nodes joined that bring
+    it closer to the target. (Nodes that leave show up as failed ranks instead.)"""
+    lim = snap.limits
+    want = min(max(snap.target_nodes, lim.min_nodes), lim.max_nodes)
+    reachable = min(want, snap.capacity_nodes)
+    if reachable == snap.current_nodes or snap.capacity_nodes <= 0:
+        return RescaleDecision(False, snap.current_nodes, "at the reachable target")
+    if reachable < snap.current_nodes:
+        return RescaleDecision(True, reachable, f"target {want} node(s): shrinking from "
+                               f"{snap.current_nodes} to {reachable}")
+    return RescaleDecision(True, reachable, f"target {want} node(s), {snap.capacity_nodes} "
+                           f"available: growing from {snap.current_nodes} to {reachable}")
+
+
+def decide(snap: JobSnapshot) -> Decision:
+    """The decision for the snapshot's state (PLACING's comes from placing: see controller)."""
+    if snap.cancel_requested:
+        return Decision(Action.CANCEL, "cancel requested")
+    if snap.state == "PENDING":
+        return Decision(Action.SUBMIT, f"submitted: target {snap.target_nodes} node(s) x "
+                        f"{snap.limits.gpus_per_node} GPUs")
+    if snap.state == "RESCALING":
+        return RescalePolicy().make_decision(snap)
+    if snap.state == "RECOVERING":
+        return NodeLossPolicy().make_decision(snap)
+    decision = FailurePolicy().make_decision(snap)
+    if decision.action == Action.CONTINUE:
+        decision = EvictionPolicy().make_decision(snap) or decision
+    if decision.action == Action.CONTINUE and snap.capacity_nodes:
+        want = wants_rescale(snap)
+        if want.rescale:
+            return Decision(Action.RESCALE, want.reason + "; checkpointing at the next step")
+    return decision
+
+
+class ScalingPolicy:
+    """How many nodes to use and which layout to run on them.
+
+    Uses the target node count clamped to [min_nodes, max_nodes] and to what is available.
+    When the planner cannot use every GPU (say 6 GPUs and a global batch of 32 sequences),
+    it steps down one GPU at a time — possibly leaving GPUs idle — rather than fail, and
+    says so. Fails only below min_nodes or when no world size admits a valid layout.
+    """
+
+    def make_decision(self, spec: Any, capacity: Capacity, target_nodes: int) -> ScaleDecision:
+        from tenax.orchestrator.spec import plan_for_spec
+        from tenax.parallel.planner import PlanError
+
+        r = spec.resources
+        nodes = min(max(target_nodes, r.min_nodes), r.max_nodes, capacity.nodes)
+        if nodes < r.min_nodes:
+            return ScaleDecision(None, nodes, f"only {capacity.nodes} node(s) available, "
+                                 f"below resources.min_nodes={r.min_nodes} {capacity.detail}".strip())
+        tried = []
+        for world in range(nodes * r.gpus_per_node, 0, -1):
+            try:
+                plan = plan_for_spec(spec, world, r.gpus_per_node, pin_zero=True)
+            except PlanError as err:
+                tried.append(f"{world} GPUs: {str(err).splitlines()[0]}")
+                continue
+            used_nodes = -(-world // r.gpus_per_node)
+            if used_nodes < r.min_nodes:
+                break
+            why = f"{plan.layout.describe()} on {world} GPUs of {nodes} node(s): {plan.best.reason}"
+            if tried:
+                why += f" (could not use more GPUs: {tried[0]})"
+            return ScaleDecision(plan.layout, used_nodes, why, tried)
+        return ScaleDecision(None, nodes, "no valid layout on the available GPUs: " +
+                             "; ".join(tried[:3]), tried)
+
+
+# ---- the service's requests, as the job decides them -------------------------------------
+def allotted_capacity(capacity: Capacity, limit: Callable[[], int] | None) -> Capacity:
+    """The cluster's capacity for a job, capped by the scheduler's allotment when there is one."""
+    nodes = limit() if limit is not None else None
+    if nodes is None or nodes >= capacity.nodes:
+        return capacity
+    return Capacity(nodes, f"(the scheduler allots {nodes} node(s) of {capacity.nodes})")
+
+
+def preempt_decision(state: str, placed: bool, reason: str,
+                     cancel_requested: bool) -> Decision | None:
+    """A preempted job stops like a planned rescale (boundary checkpoint, 0 lost steps), then
+    ends instead of re-placing (the service requeues it); a job that is not training just ends."""
+    if not reason or cancel_requested or state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        return None
+    why = f"preempted: {reason}"
+    if state == "RUNNING" and placed:
+        return Decision(Action.RESCALE, f"{why}; checkpointing at the next step")
+    if state == "RESCALING":
+        return None  # RescalePolicy finishes the stop; in PLACING the job then ends
+    return Decision(Action.CANCEL, why)

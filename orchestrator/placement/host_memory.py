@@ -1,0 +1,146 @@
+"""Do a job's in-memory snapshots fit its nodes' host memory? Decided before placement.
+
+Host memory is planned, not discovered: `plan_snapshot_memory` compares the
+per-node peak of the in-memory snapshots (parallel/host_memory.py: per rank 2 local buffers +
+1 peer replica, all rewritten in place; 2 buffers on a single node) with
+the smallest node's memory, as Ray reports it (the node's `memory` resource, in bytes).
+
+SAFE_FRACTION = 0.5: the snapshots may use at most half of a node's Ray `memory`. Why half:
+- Ray's `memory` resource is already what Ray offers to tasks and actors (the node's memory
+  less the object store, by default 30%, and a reservation for the system), not free RAM.
+- The same RAM holds the training processes themselves: on CPU their whole training state
+  (weights, grads, optimizer, activations, data loader), on GPU hosts CUDA's pinned staging
+  buffers and the async storage writer's copy of a checkpoint — about as large as the
+  snapshots, so half of the memory for each is the even split.
+- Ray's memory monitor kills workers at 95% of the node's memory, and the kernel's OOM killer
+  takes the whole node: a too-tight figure costs a node, a too-loose one only costs the
+  snapshots (storage checkpoints still run), so the fraction errs on the safe side and also
+  absorbs the cost model's first-order error (even pipeline split, allocator slack).
+
+A job whose snapshots do not fit is never refused and never risks an OOM-killed node: it runs
+with in-memory snapshots off (storage checkpoints as before) and the controller says so once,
+with this module's reason. The controller calls `plan_snapshot_memory` at placement (every
+layout, since the state per rank changes with the layout) with `ray_node_memory_bytes` of the
+placement's nodes. When node memory is unknown (Ray did not answer within the timeout, or no
+node reports `memory`), nothing is checked and the snapshots stay on; the reason says so.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from tenax.parallel.host_memory import human_bytes, snapshot_footprint
+from tenax.parallel.layout import ParallelLayout
+from tenax.workers.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+SAFE_FRACTION = 0.5
+FIELD = "checkpoint.memory_every_steps"
+RAY_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class SnapshotMemoryPlan:
+    """enabled: take in-memory snapshots. per_rank_bytes: one rank's snapshot state (the size
+    of one buffer). per_node_peak_bytes: the most host memory they take on one node. Both are
+    what the snapshots need (0 when checkpoint.memory_every_steps=0), also when disabled."""
+    enabled: bool
+    per_node_peak_bytes: int
+    per_rank_bytes: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "per_node_peak_bytes": self.per_node_peak_bytes,
+                "per_rank_bytes": self.per_rank_bytes, "reason": self.reason}
+
+
+def _smallest(node_memory_bytes: Mapping[str, float] | float | None
+              ) -> tuple[str, float] | None:
+    """(where, bytes) of the smallest node; None when unknown. Bad figures are errors."""
+    if node_memory_bytes is None:
+        return None
+    one = not isinstance(node_memory_bytes, Mapping)
+    items = [("each node", node_memory_bytes)] if one else list(node_memory_bytes.items())
+    for node, value in items:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"node_memory_bytes[{node!r}]: {value!r} must be a number > 0")
+    if not items:
+        return None
+    name, value = min(items, key=lambda kv: kv[1])
+    return ("each node" if one else f"node {name!r} (the smallest)"), float(value)
+
+
+def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
+                         node_memory_bytes: Mapping[str, float] | float | None
+                         ) -> SnapshotMemoryPlan:
+    """Whether `layout`'s in-memory snapshots fit the smallest node (<= SAFE_FRACTION of its
+    memory). node_memory_bytes: node id -> Ray `memory` bytes, one figure for every node, or
+    None (unknown: not checked). Pure: no Ray."""
+    every = spec.checkpoint.memory_every_steps
+    if every == 0:
+        return SnapshotMemoryPlan(False, 0, 0, f"{FIELD}=0")
+    gpn = spec.resources.gpus_per_node
+    foot = snapshot_footprint(spec.model.args(), layout, gpn, every, spec.train.dtype)
+    peak, state = foot.per_node_peak_bytes, foot.rank_state_bytes
+    smallest = _smallest(node_memory_bytes)
+    if smallest is None:
+        return SnapshotMemoryPlan(True, peak, state, f"{FIELD}={every}: node memory unknown "
+                                  f"(Ray reported none); {human_bytes(peak)} peak per node "
+                                  f"not checked")
+    where, memory = smallest
+    limit = SAFE_FRACTION * memory
+    copies = foot.per_rank_peak_bytes // state if state else 0
+    need = (f"{human_bytes(peak)} ({peak} B) peak per node: {foot.ranks_per_node} rank(s) x "
+            f"{copies} x {human_bytes(state)} rank state ({layout.describe()})")
+    have = (f"{SAFE_FRACTION} x {human_bytes(memory)} = {human_bytes(limit)} ({int(limit)} B) "
+            f"of {where}")
+    if peak > limit:
+        reason = (f"{FIELD}={every}: in-memory snapshots need {need} > {have}; running with "
+                  f"in-memory snapshots off (storage checkpoints only). Add host memory or "
+                  f"nodes, raise parallel.zero, or set {FIELD}=0")
+        logger.info("%s", reason)  # the controller publishes it once, as a warning event
+        return SnapshotMemoryPlan(False, peak, state, reason)
+    return SnapshotMemoryPlan(True, peak, state,
+                              f"{FIELD}={every}: in-memory snapshots fit: {need} <= {have}")
+
+
+def _alive_memory(nodes: Iterable[Mapping[str, Any]], wanted: set[str] | None
+                  ) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for node in nodes:
+        node_id = str(node.get("NodeID", ""))
+        memory = (node.get("Resources") or {}).get("memory")
+        if node.get("Alive", True) and memory and (wanted is None or node_id in wanted):
+            out[node_id] = float(memory)
+    return out
+
+
+def ray_node_memory_bytes(node_ids: Iterable[str] | None = None,
+                          timeout_s: float = RAY_TIMEOUT_S) -> dict[str, float] | None:
+    """Ray's `memory` resource (bytes) of the alive nodes, or of `node_ids` among them.
+
+    ray.nodes() is a GCS call with no deadline of its own: it runs on a daemon thread and this
+    returns None (unknown) if it has not answered within `timeout_s`, fails, or no node
+    reports `memory`. Needs Ray initialised by the caller."""
+    wanted = None if node_ids is None else {str(n) for n in node_ids}
+    box: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            import ray
+
+            box["nodes"] = ray.nodes()
+        except Exception as err:  # noqa: BLE001 - any failure means "unknown", reported below
+            box["error"] = err
+
+    thread = threading.Thread(target=read, name="tenax-node-memory", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "nodes" not in box:
+        logger.warning("node memory unknown: ray.nodes() %s", f"failed: {box['error']!r}"
+                       if "error" in box else f"did not answer within {timeout_s} s")
+        return None
+    return _alive_memory(box["nodes"], wanted) or None

@@ -1,0 +1,376 @@
+"""The jobs of `tenax serve`: one Controller thread per job, every event stored before it is seen.
+
+Why this shape: the gRPC layer (orchestrator/service/server.py) stays a thin translation of requests
+into calls here, and everything that must survive the process goes through the JobStore first.
+A runner's `_on_event` appends the event (and, for state events, the new state) to the store,
+feeds the job's metrics, then wakes the watchers; WatchJob only ever reads the store, so a
+watcher sees exactly what a restarted service would replay.
+
+On shutdown the runners are *detached*: their events are no longer stored, then their workers
+are stopped. So a stopped service leaves its jobs RUNNING in the store and the next start
+resumes them (`resume_unfinished`) from the newest committed checkpoint, with the target node
+count of the last ScaleJob.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from typing import Any, Callable
+
+from tenax.checkpoint.format.catalog import Catalog, CatalogError
+from tenax.checkpoint.format.storage import Storage
+from tenax.orchestrator.job.controller import Controller
+from tenax.orchestrator.service.scheduler import Dispatcher
+from tenax.orchestrator.service.storage_roots import StorageRootError, StorageRoots, overlapping
+from tenax.orchestrator.service.store import JobRecord, JobStore, StoreError
+from tenax.orchestrator.service.submission import (SubmitError, connect_ray, default_gpu_slots,
+                                                   parse_submission, spec_json_of)
+from tenax.orchestrator.spec import JobSpec, SpecError, spec_from_dict
+from tenax.workers.events import stamp
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobManager", "JobRunner", "SubmitError", "connect_ray", "default_gpu_slots",
+           "parse_submission", "spec_json_of"]
+
+STORAGE_TIMEOUT_S = 15.0
+DETACH_TIMEOUT_S = 30.0
+
+
+class JobRunner:
+    """One job: its Controller on a thread; events go to the store, metrics, then watchers.
+
+    `allotted` is the scheduler's grant in nodes: the controller never plans for more (its
+    capacity is limited to it), so lowering it shrinks the job through the planned re-plan
+    and raising it grows the job back. `preempt` stops the job at a checkpoint boundary; its
+    end is not stored as CANCELLED but puts the job back in the queue."""
+
+    def __init__(self, manager: "JobManager", job_id: str, spec: JobSpec,
+                 baseline: dict[str, Any] | None = None, allotted: int = 0,
+                 order: float = 0.0) -> None:
+        self.manager, self.job_id, self.spec = manager, job_id, spec
+        self.baseline = baseline or {}  # stored status of a resumed job
+        self.detached = False
+        self.allotted, self.order = allotted or spec.resources.nodes, order
+        self.preempting, self.requeue = "", False
+        self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
+        self.controller = Controller(spec, None, self._on_event, job_id)
+        self.controller.capacity_limit = self.allotment
+        self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
+
+    def allotment(self) -> int:
+        return self.allotted
+
+    def holds(self) -> int:
+        """Nodes the current placement holds (0 between placements)."""
+        c = self.controller
+        if c.group is None or c.layout is None:
+            return 0
+        return -(-c.layout.world_size // self.spec.resources.gpus_per_node)
+
+    def preempt(self, reason: str) -> None:
+        self.preempting = reason
+        self.controller.preempt(reason)
+
+    @property
+    def alive(self) -> bool:
+        return not self.detached and self.thread.is_alive()
+
+    def status(self) -> dict[str, Any]:
+        status = {**self.controller.status(), "target_nodes": self.controller.target_nodes,
+                  "allotted": self.allotted, "priority": self.spec.priority,
+                  "gpus": self.holds() * self.spec.resources.gpus_per_node,
+                  "queued_s": round(self.manager.dispatcher.queued_s.get(self.job_id, 0.0), 3)}
+        if self.controller.loss is None and self.baseline.get("loss") is not None:
+            # resumed and not stepped yet: the stored step is the better answer
+            status.update(step=self.baseline.get("step", 0), loss=self.baseline["loss"])
+        return status
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if self.detached:  # shutting down: the store must keep the job resumable
+            return
+        if event.get("event") == "state":
+            if self.preempting and event.get("state") == "CANCELLED" and \
+                    not self.controller.cancel_requested:
+                self.requeue = True  # not an end: the job goes back to the queue
+                return
+            self.manager.dispatcher.wake.set()
+        self.record(event)
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Store the event (with the status now), feed metrics, wake the watchers."""
+        kind, step = event.get("event"), event.get("step")
+        every = self.manager.store.step_every
+        keep_status = kind != "step" or (isinstance(step, int) and step % every == 0)
+        try:
+            self.manager.store.append_event(self.job_id, event,
+                                            self.status() if keep_status else None)
+        except StoreError as err:  # training goes on; the history has a gap
+            logger.error("job %s: event not stored: %s", self.job_id, err)
+        for callback in self.extra:
+            try:
+                callback(event)
+            except Exception:  # a metrics bug must not stop a job
+                logger.exception("job %s: event callback failed", self.job_id)
+        self.manager.notify()
+
+    def _run(self) -> None:
+        try:
+            self.controller.run()
+        except Exception as err:
+            logger.exception("job %s: controller crashed", self.job_id)
+            self._on_event(stamp({"event": "state", "state": "FAILED", "job": self.job_id,
+                                  "reason": f"controller error: {type(err).__name__}: {err}"}))
+        finally:
+            if not self.detached:
+                try:
+                    self.manager.store.save_status(self.job_id, self.status())
+                except StoreError as err:
+                    logger.error("job %s: final status not stored: %s", self.job_id, err)
+                if self.requeue:
+                    self.manager.requeue(self)
+            self.manager.dispatcher.wake.set()
+            self.manager.notify()
+
+
+class JobManager:
+    """Every job of one service; thread-safe. `collector` is a metrics TenaxCollector or None."""
+
+    def __init__(self, store: JobStore, collector: Any = None,
+                 roots: StorageRoots | None = None,
+                 autoscale_max: tuple[int, int] | None = None) -> None:
+        self.store, self.collector = store, collector
+        self.roots = roots  # None: any URI (embedding callers that trust their submitters)
+        self.runners: dict[str, JobRunner] = {}
+        self.stopping = threading.Event()
+        largest = (autoscale_max[1],) * autoscale_max[0] if autoscale_max else None
+        self.dispatcher = Dispatcher(self, largest)
+        self._lock = self.dispatcher.lock  # one lock: the queue and the runners change together
+        if collector is not None:
+            collector.queue_source = self.dispatcher.figures
+        self._changed = threading.Condition()
+        self._version = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def submit(self, spec_json: str, overrides: list[str]) -> str:
+        if self.stopping.is_set():
+            raise SubmitError("the server is shutting down", "unavailable")
+        spec = parse_submission(spec_json, overrides)
+        try:
+            if self.roots is not None:
+                self.roots.check_spec(spec)
+        except StorageRootError as err:
+            raise SubmitError(str(err), "invalid") from None
+        uri = spec.checkpoint.uri
+        with self._lock:  # two spellings of one directory (or one inside the other) conflict
+            busy = [job for job, s in self._unfinished_specs() if overlapping(s.checkpoint.uri, uri)]
+            if busy:
+                raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
+                                  f"job {busy[0]}; give each job a checkpoint.uri of its own",
+                                  "conflict")
+            refused = self.dispatcher.refusal(spec)
+            if refused is not None:
+                raise SubmitError(f"refused: {refused}", "invalid")
+            job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+            record = self.store.add_job(job_id, spec.name, spec_json_of(spec), spec.checkpoint.uri)
+            self.dispatcher.enqueue(job_id, spec, record.created_at)
+            self.dispatcher.tick()  # starts it now if it fits, else stores it as QUEUED
+            self.dispatcher.start()
+        logger.info("job %s submitted (priority %d, %d steps, checkpoints at %s)", job_id,
+                    spec.priority, spec.train.steps, spec.checkpoint.uri)
+        return job_id
+
+    def _unfinished_specs(self) -> list[tuple[str, JobSpec]]:
+        """(job id, spec) of every admitted job still running and every queued one."""
+        out = [(r.job_id, r.spec) for r in self.runners.values() if r.alive]
+        return out + [(e.job_id, e.spec) for e in self.dispatcher.queue.values()]
+
+    def active_runners(self) -> list[JobRunner]:
+        return [r for r in self.runners.values() if r.alive and not r.requeue]
+
+    def record(self, job_id: str, event: dict[str, Any]) -> None:
+        """Store an event of a job that may have no controller (queued, refused, expired)."""
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.alive:
+            runner.record(stamp(event))
+            return
+        try:
+            self.store.append_event(job_id, stamp(event))
+        except StoreError as err:
+            logger.error("job %s: event not stored: %s", job_id, err)
+        self.notify()
+
+    def start_runner(self, job_id: str, spec: JobSpec, nodes: int) -> JobRunner:
+        """Admitted by the scheduler: a controller limited to `nodes` nodes."""
+        record = self.store.get_job(job_id)
+        return self._start(job_id, spec, record, nodes)
+
+    def requeue(self, runner: JobRunner) -> None:
+        """A preempted job stopped at its checkpoint boundary: back in the queue, same place."""
+        with self._lock:
+            waited = self.dispatcher.queued_s.get(runner.job_id, 0.0)
+            self.dispatcher.enqueue(runner.job_id, runner.spec, runner.order, waited)
+        logger.info("job %s: preempted and requeued", runner.job_id)
+
+    def resume_unfinished(self) -> list[str]:
+        """Start a controller for every stored job that had not finished; returns their ids."""
+        resumed = []
+        for record in self.store.unfinished():
+            if self.store.cancel_requested(record.job_id):
+                self._finish_cancelled(record)
+                continue
+            try:
+                spec = spec_from_dict(json.loads(record.spec_json))
+            except (SpecError, ValueError) as err:
+                self.store.append_event(record.job_id, stamp({
+                    "event": "state", "state": "FAILED", "job": record.job_id,
+                    "reason": f"cannot resume: the stored spec is no longer valid: {err}"}))
+                continue
+            with self._lock:
+                self._resume(record, spec)
+            resumed.append(record.job_id)
+        with self._lock:
+            self.dispatcher.tick()
+            self.dispatcher.start()
+        return resumed
+
+    def _resume(self, record: JobRecord, spec: JobSpec) -> None:
+        """A job that held GPUs starts again with its allotment; a queued one queues again
+        (in its submission order, so the queue keeps its order across a restart)."""
+        queued = record.state in ("QUEUED", "PENDING")
+        self.store.append_event(record.job_id, stamp({
+            "event": "resumed", "job": record.job_id, "was": record.state,
+            "reason": "service restarted; " + ("back in the queue" if queued else
+                                               "continuing from the newest committed checkpoint")}))
+        if queued:
+            self.dispatcher.enqueue(record.job_id, spec, record.created_at,
+                                    float(record.status.get("queued_s") or 0.0))
+            entry = self.dispatcher.queue[record.job_id]
+            entry.announced = record.state == "QUEUED"
+            logger.info("job %s back in the queue", record.job_id)
+            return
+        allotted = int(record.status.get("allotted") or 0)
+        runner = self._start(record.job_id, spec, record, allotted)
+        logger.info("job %s resumed (was %s, target %d node(s), allotted %d)", record.job_id,
+                    record.state, runner.controller.target_nodes, runner.allotted)
+
+    def _finish_cancelled(self, record: JobRecord) -> None:
+        logger.info("job %s: not resumed, its cancel request was stored before the restart",
+                    record.job_id)
+        self.store.append_event(record.job_id, {
+            "event": "state", "state": "CANCELLED", "job": record.job_id, "was": record.state,
+            "reason": "cancel requested before the service stopped; not resumed"})
+
+    def _start(self, job_id: str, spec: JobSpec, record: JobRecord | None = None,
+               allotted: int = 0) -> JobRunner:
+        baseline = record.status if record else {}
+        order = record.created_at if record else 0.0
+        runner = JobRunner(self, job_id, spec, baseline, allotted, order)
+        target = baseline.get("target_nodes") or spec.resources.nodes
+        if target != spec.resources.nodes:
+            try:
+                runner.controller.scale(int(target))
+            except (ValueError, TypeError) as err:
+                logger.warning("job %s: stored target nodes ignored: %s", job_id, err)
+        if self.collector is not None:
+            from tenax.orchestrator.job.metrics import attach
+
+            job_metrics = attach(self.collector, runner.controller, runner)
+            if baseline.get("loss") is not None:  # a resumed job exports its last known step
+                job_metrics.on_event({"event": "step", "job": job_id, "loss": baseline["loss"],
+                                      "step": baseline.get("step", 0)})
+        self.runners[job_id] = runner
+        runner.thread.start()
+        return runner
+
+    def detach_all(self, timeout_s: float = DETACH_TIMEOUT_S) -> None:
+        """Stop every job's workers without recording it: the store keeps them resumable."""
+        import time
+
+        with self._lock:
+            runners = [r for r in self.runners.values() if r.thread.is_alive()]
+        for runner in runners:
+            runner.detached = True
+            runner.controller.cancel()
+        deadline = time.monotonic() + timeout_s
+        for runner in runners:
+            runner.thread.join(max(0.0, deadline - time.monotonic()))
+            if runner.thread.is_alive():
+                logger.warning("job %s: controller still busy after %.0f s; leaving it",
+                               runner.job_id, timeout_s)
+
+    # ---- queries and requests ---------------------------------------------------------------
+    def running(self, job_id: str) -> bool:
+        runner = self.runners.get(job_id)
+        return runner is not None and runner.alive
+
+    def queued(self, job_id: str) -> bool:
+        return job_id in self.dispatcher.queue
+
+    def live_status(self, record: JobRecord) -> tuple[dict[str, Any], int]:
+        """(status, target nodes): the controller's while it runs, else the stored one; a
+        queued job's also says where it is in the queue and what it waits for."""
+        queue = self.dispatcher.queue_status(record.job_id)
+        runner = self.runners.get(record.job_id)
+        if runner is None or not runner.alive:
+            status = {**record.status, **(queue or {})}
+            return status, int(record.status.get("target_nodes") or 0)
+        return runner.status(), runner.controller.target_nodes
+
+    def cancel(self, job_id: str) -> None:
+        """Persist the request, then tell the controller: an ack means a restart honours it."""
+        self.store.request_cancel(job_id, "CancelJob")  # StoreError: not acknowledged
+        with self._lock:
+            if self.dispatcher.drop(job_id) is not None:  # queued: nothing to stop
+                self.record(job_id, {"event": "state", "state": "CANCELLED", "job": job_id,
+                                     "reason": "cancel requested while queued"})
+                return
+        runner = self.runners.get(job_id)
+        if runner is not None:
+            runner.controller.cancel()
+        logger.info("job %s: cancel requested (stored before acting on it)", job_id)
+
+    def scale(self, job_id: str, nodes: int) -> None:
+        runner = self.runners[job_id]
+        runner.controller.scale(nodes)  # ValueError outside [min_nodes, max_nodes]
+        try:
+            self.store.save_status(job_id, runner.status())  # a restart keeps the target
+        except StoreError as err:
+            logger.error("job %s: target nodes not stored: %s", job_id, err)
+
+    @staticmethod
+    def checkpoints(uri: str) -> list[dict[str, Any]]:
+        """Versions under a checkpoint URI; StorageError/CatalogError when unreadable."""
+        catalog = Catalog(Storage(uri, timeout_s=STORAGE_TIMEOUT_S))
+        out = []
+        for v in catalog.versions():
+            item: dict[str, Any] = {"step": v.step, "committed": v.committed, "size_bytes": v.size}
+            if v.committed:
+                try:
+                    m = catalog.manifest(v.step)
+                except CatalogError as err:  # listed, but say why it would not load
+                    item["error"] = str(err)
+                else:
+                    item.update(layout=m.layout, world_size=m.world_size,
+                                created_at=m.created_at, manifest_json=m.to_json())
+            out.append(item)
+        return out
+
+    # ---- change notification (WatchJob) -----------------------------------------------------
+    def notify(self) -> None:
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    wake_all = notify
+
+    def version(self) -> int:
+        with self._changed:
+            return self._version
+
+    def wait_for_change(self, seen: int, timeout_s: float) -> None:
+        with self._changed:
+            if self._version == seen:
+                self._changed.wait(timeout_s)

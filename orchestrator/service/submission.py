@@ -1,0 +1,96 @@
+"""What a submission is before it becomes a job: parsing and checks, and the Ray it runs on.
+
+Split from orchestrator/service/jobs.py (which re-exports these names): parsing a spec from the wire
+(JSON only, bounded sizes, overrides typed by the model) and joining or starting the Ray
+cluster are independent of how jobs are queued and run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+import yaml
+
+from tenax.orchestrator.spec import JobSpec, SpecError, apply_overrides, spec_from_dict
+
+logger = logging.getLogger(__name__)
+
+MAX_SPEC_CHARS = 1 << 20
+MAX_OVERRIDES, MAX_OVERRIDE_CHARS = 200, 4096
+
+
+def default_gpu_slots() -> int:
+    """Real GPUs if torch sees any; otherwise one rank slot per CPU core."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception as err:  # a broken CUDA install must not stop a CPU server
+        logger.warning("cannot count GPUs (%s); using CPU slots", err)
+        count = 0
+    return count or (os.cpu_count() or 1)
+
+
+def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> None:
+    """Join a cluster, or start an embedded one on 127.0.0.1 (ray.shutdown() stops it)."""
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        logger.info("connected to the Ray cluster at %s", address)
+        return
+    slots = gpus if gpus is not None else default_gpu_slots()
+    tmp = tempfile.mkdtemp(prefix="tenax-ray-")
+    ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,
+             include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
+             log_to_driver=False, configure_logging=False)
+    logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s)", slots, tmp)
+
+
+class SubmitError(ValueError):
+    """A submission that cannot start; `kind` is invalid | conflict | unavailable."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message, kind)
+        self.message, self.kind = message, kind
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
+    """JSON text (+ `KEY=VALUE` overrides) -> JobSpec; SpecError naming the field otherwise.
+
+    JSON only on the wire (DESIGN.md pins it): YAML aliases would let one request expand into
+    gigabytes. The CLI converts a YAML file to JSON before sending it.
+    """
+    if not spec_json.strip():
+        raise SpecError("spec_json: required (a JSON object; '{}' for the default job)")
+    if len(spec_json) > MAX_SPEC_CHARS:
+        raise SpecError(f"spec_json: {len(spec_json)} characters, more than {MAX_SPEC_CHARS}")
+    try:
+        raw = json.loads(spec_json)
+    except (ValueError, RecursionError) as err:
+        raise SpecError(f"spec_json: not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec_json: top level must be an object, got {type(raw).__name__}")
+    if len(overrides) > MAX_OVERRIDES or any(len(o) > MAX_OVERRIDE_CHARS for o in overrides):
+        raise SpecError(f"overrides: at most {MAX_OVERRIDES}, each at most "
+                        f"{MAX_OVERRIDE_CHARS} characters")
+    try:
+        raw = apply_overrides(raw, overrides)
+    except SpecError:
+        raise
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError, ArithmeticError) as err:
+        # a value is parsed as YAML (typed by its field): unterminated lists and the like
+        raise SpecError(f"overrides: {type(err).__name__}: {err}") from None
+    try:
+        return spec_from_dict(raw)
+    except RecursionError:
+        raise SpecError("spec_json: nested too deeply") from None
+
+
+def spec_json_of(spec: JobSpec) -> str:
+    return json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True)
