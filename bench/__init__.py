@@ -1,5 +1,7 @@
-"""Benchmarks, run from the repo root as `python -m bench.<name>` (see bench/README.md).
+"""Benchmarks, run from the repository root as `python -m bench.<name>` (docs/benchmarks.md).
 
-A package so the scripts and the tests share helpers through importable modules
-(`bench.common`, `tests.ray_helpers`) instead of editing sys.path.
+A package so that the scripts share helpers through importable modules (`bench.common`, and
+`tenax.testing` for Ray and jobs, which the test suite uses too) instead of editing sys.path.
+Run as a path (`python bench/<name>.py`), a script exits with status 2 and says how to run it.
+The tests of the benches' own measuring code are in `bench/tests/`.
 """

@@ -1,6 +1,6 @@
 """Tenax vs plain torch: tokens/s of the same model, data shape and checkpoint cadence.
 
-    python bench/baseline_bench.py [--quick] [--json PATH] [--worlds 2,4] [--reps R]
+    python -m bench.baseline_bench [--quick] [--json PATH] [--worlds 2,4] [--reps R]
 
 Why: users compare Tenax with the script they would write themselves. The baseline is
 `bench/plain_torch_train.py` under torchrun (torch's C++ DDP reducer, AdamW, DCP async save
@@ -23,6 +23,10 @@ import sys
 import tempfile
 from typing import Any
 
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
 from bench.common import Report, parse_args
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,9 @@ def _env() -> dict[str, str]:
 
 def run_plain(world: int, steps: int, tmp: str) -> tuple[float, float]:
     out = os.path.join(tmp, f"plain-{world}.json")
+    script = os.path.join(os.path.dirname(__file__), "plain_torch_train.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(os.path.dirname(__file__), "plain_torch_train.py"),
+           f"--nproc_per_node={world}", script,
            "--steps", str(steps), "--global-batch", str(GLOBAL_BATCH), "--every", str(EVERY),
            "--ckpt-dir", tempfile.mkdtemp(dir=tmp), "--json", out]
     subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=900)

@@ -4,12 +4,12 @@
 
 Why side by side: on a CPU-bound host the cost of a save is not its blocked time alone but the
 training time it loses = blocked time + the extra time of the steps that run while the write is
-in flight. Each writer ("sync", "thread" (the default), "fork" of CheckpointManager; two ablations of
-"thread": staging on the training thread instead of behind the optimizer-step fence, and
-without lowering the writer's priority; and DCP's own thread-based `async_save` for reference,
-on a separate gloo group) saves the same dp2 ZeRO-1
-state in the same processes, right after the same steady-state measurement, so the ratios are
-comparable. Loads compare the same layout with resharding into tp2 and into dp2 ZeRO-3.
+in flight. Each writer ("sync", "thread" (the default), "fork" of CheckpointManager; two
+ablations of "thread": staging on the training thread instead of behind the optimizer-step
+fence, and without lowering the writer's priority; and DCP's own thread-based `async_save` for
+reference, on a separate gloo group) saves the same dp2 ZeRO-1 state in the same processes,
+right after the same steady-state measurement, so the ratios are comparable. Loads compare the
+same layout with resharding into tp2 and into dp2 ZeRO-3.
 
 Goals: async blocked ÷ sync blocked ≤ 0.05; step time while writing ÷ steady ≤ 1.10;
 reshard-load ÷ same-layout load ≤ 1.5.
@@ -26,6 +26,10 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +146,12 @@ def _measure_save(trainer: Any, saver: Any) -> dict[str, Any]:
 
 def _make_saver(trainer: Any, spec: Any, rank: int, world: int, writer: str, root: str) -> Any:
     from tenax.checkpoint.manager import CheckpointManager
+    from tenax.workers.checkpoint_config import checkpoint_config
 
     if writer == "dcp-thread":
         return _DcpThread(trainer, root)
-    saver = CheckpointManager(spec, trainer, rank, world, writer=writer.split("-")[0],
-                              timeout_s=600)
+    saver = CheckpointManager(checkpoint_config(spec), trainer, rank, world,
+                              writer=writer.split("-")[0], timeout_s=600)
     if writer == "thread-stage-blocking":  # ablation: copy on the training thread, no fence
         saver.state = _NoFence(saver.state)
     return saver
@@ -185,6 +190,7 @@ def _run_writers(trainer: Any, spec: Any, rank: int, world: int, root: str, reps
 def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, float]:
     from tenax.checkpoint.manager import CheckpointManager
     from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.checkpoint_config import checkpoint_config
     from tenax.workers.trainer import Trainer
 
     out = {}
@@ -193,7 +199,7 @@ def _measure_loads(spec: Any, rank: int, world: int, reps: int) -> dict[str, flo
         trainer = Trainer(spec, ParallelLayout(micro_batch_size=1, **layout))
         times = []
         for _ in range(reps):
-            mgr = CheckpointManager(spec, trainer, rank, world, timeout_s=600)
+            mgr = CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=600)
             t0 = time.perf_counter()
             mgr.load()
             times.append(_max_over_ranks(time.perf_counter() - t0))
@@ -208,7 +214,7 @@ def bench_rank(rank: int, world: int, port: int, cfg: dict[str, Any], root: str,
     import torch
 
     from tenax.parallel.layout import ParallelLayout
-    from tenax.workers.launch import join_process_group, leave_process_group
+    from tenax.workers.rendezvous import join_process_group, leave_process_group
     from tenax.workers.trainer import Trainer
 
     try:
@@ -272,7 +278,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 def run(quick: bool, timeout_s: float, reps: int = 0,
         writers: tuple[str, ...] = WRITERS) -> dict[str, Any]:
-    from tenax.workers.launch import free_port
+    from tenax.workers.rendezvous import free_port
 
     root = tempfile.mkdtemp(prefix="tenax-ckpt-bench-")
     ctx = mp.get_context("spawn")

@@ -1,14 +1,14 @@
 """What a per-step snapshot's device-to-host copy costs a training step, done as today and done
 asynchronously (one of `gpu_check.sh`'s checks on a lent GPU, a smoke run on CPU).
 
-    PYTHONPATH=. python bench/device_snapshot_bench.py [--device cuda|cpu] [--size smoke|gpu]
-                                                       [--steps N] [--reps R] [--json PATH]
+    python -m bench.device_snapshot_bench [--device cuda|cpu] [--size smoke|gpu] [--steps N]
+                                          [--reps R] [--json PATH] [--quick]
 
 Why: on a GPU node the host's cores are free while the device computes, so the host-side part
 of a snapshot (copying thread, agents, replica) costs training nothing measurable
 (bench/overhead_bench.py --cores split). What is left is the first move, device to host.
-`checkpoint/memory/snapshot.py` makes it with `.cpu()` on the training thread, which blocks it for the
-whole transfer at every step. The candidate fix copies on a side stream into pinned host
+`checkpoint/memory/snapshot.py` makes it with `.cpu()` on the training thread, which blocks it for
+the whole transfer at every step. The candidate fix copies on a side stream into pinned host
 buffers kept between steps, and makes the training stream, not the host, wait for that copy
 before the next optimizer step (the state changes nowhere else). This measures both against
 no copy, side by side on the same engine (bench/mfu_bench.EngineLoop, AdamW, one rank),
@@ -21,7 +21,8 @@ A step's time runs from its start to the end of its snapshot call, so the blocki
 in full and the asynchronous one by whatever the device waited for it. The last asynchronous
 copy is compared with a device-side clone taken at the same point: equal, or the fence is
 wrong. On CPU there is no device copy: both copying modes clone on the training thread (the
-smoke run only shows the script works).
+smoke run only shows the script works). `--quick`: the smoke size, one block of one step per
+mode (explicit flags win).
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ import statistics
 import sys
 import time
 from typing import Any, Callable
+
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
 
 import torch
 import torch.distributed as dist
@@ -160,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=("smoke", "gpu"), default=None)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="per block (default 4)")
+    parser.add_argument("--reps", type=int, default=None, help="blocks per mode (default 2)")
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke size, 1 step, 1 rep")
     args = parser.parse_args(argv)
+    quick = {"size": "smoke", "steps": 1, "reps": 1} if args.quick else {"steps": 4, "reps": 2}
+    for name, value in quick.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     logging.basicConfig(level=logging.WARNING)
     from bench.mfu_bench import one_rank_group
 

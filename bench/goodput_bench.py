@@ -13,8 +13,8 @@ Figures:
   from controller start to `done` (goal >= 0.95). On a shared host the two runs see different
   speeds, so the same ratio is also given host-speed normalized: Σ step time of the committed
   steps ÷ wall, faulted ÷ clean;
-- goodput: productive ÷ wall time from the controller's own accounting (orchestrator/job/goodput.py)
-  for both runs, and their ratio (goal >= 0.95);
+- goodput: productive ÷ wall time from the controller's own accounting
+  (orchestrator/job/goodput.py) for both runs, and their ratio (goal >= 0.95);
 - step efficiency: committed steps ÷ steps computed (redone steps after a rollback count as
   computed but not committed);
 - cost per fault in seconds (`fault_cost`; cross-checked from the runs' walls), and the fault
@@ -43,8 +43,13 @@ import sys
 import tempfile
 from typing import Any
 
-from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args, ratio, recoveries,
-                          snapshot_leftovers)
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
+from bench.common import Report, parse_args, ratio, recoveries, snapshot_leftovers
+from tenax.testing.clusters import local_ray
+from tenax.testing.jobs import JobRun, make_spec
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ TIMEOUT_S = 1800.0
 def run(root: str, steps: int, chaos: str | None, name: str,
         extra: list[str] | None = None) -> dict[str, Any]:
     spec = make_spec(root, MODEL + [f"train.steps={steps}"] + (extra or []), name)
-    job = TimedJob(spec, chaos).run(TIMEOUT_S)
+    job = JobRun(spec, chaos).run(TIMEOUT_S)
     done = (job.of("done") or [{}])[-1]
     first = job.first_step_after(job.started_at)
     end = done.get("t", job.finished_at)
@@ -80,7 +85,7 @@ def run(root: str, steps: int, chaos: str | None, name: str,
             "shm_left": snapshot_leftovers(job.controller.job_id)}
 
 
-def stalls(job: TimedJob) -> list[float]:
+def stalls(job: JobRun) -> list[float]:
     """Per failure: last step record before it -> first step record after its recovery."""
     out = []
     for failure in job.of("failure"):

@@ -1,13 +1,13 @@
 """One short script for a lent GPU: engine parity on cuda, a bf16 loss curve, and bf16 MFU.
 
-    PYTHONPATH=. python3 bench/gpu_check.py --out DIR [--device cuda|cpu]
+    python -m bench.gpu_check --out DIR [--device cuda|cpu] [--quick]
 
 Why this shape: a lent GPU host has torch but no Ray, pydantic or network, and a few minutes of
 time; so every check is a subprocess of this file (a crash or NCCL hang costs one check, not
 the run, and a per-check deadline bounds it), it imports only the engine (`parallel/`,
 `tenax.workers.launch`) and `bench/mfu_bench.py`, and it writes everything to DIR/gpu_check.log and
-the figures to DIR/gpu_check.json. `--device cpu` runs the same checks on gloo/CPU with small
-sizes (the dry run CI can afford).
+the figures to DIR/gpu_check.json (default `$OUT`, else ./gpu_check_out). `--device cpu` (or
+`--quick`) runs the same checks on gloo/CPU with small sizes (the dry run CI can afford).
 
 Checks:
 1. parity: the engine on cuda fp32 (world size 1, NCCL; ZeRO 0/1/2/3) against the CPU fp32
@@ -37,6 +37,10 @@ import tempfile
 import time
 from typing import Any
 
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
 logger = logging.getLogger(__name__)
 
 PARITY_MODEL = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, seq_len=64,
@@ -54,7 +58,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tenax.workers.launch import join_process_group
+    from tenax.workers.rendezvous import join_process_group
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -118,6 +122,13 @@ def _curve(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 
 
 # ---- driver side --------------------------------------------------------------------------
+def repo_env() -> dict[str, str]:
+    """This environment with the working directory (the repository root) first on PYTHONPATH:
+    the checks run as `python -m bench.NAME` subprocesses."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.getcwd(), os.environ.get("PYTHONPATH")])))
+
+
 class Driver:
     def __init__(self, out_dir: str, device: str) -> None:
         self.out_dir, self.device = out_dir, device
@@ -147,17 +158,15 @@ class Driver:
     def spawn(self, name: str, world: int, extra: list[str], timeout_s: float = WORKER_TIMEOUT_S
               ) -> list[dict[str, Any]] | str:
         """Run `world` worker processes; their results by rank, or a one-line failure."""
-        from tenax.workers.launch import free_port
+        from tenax.workers.rendezvous import free_port
 
         port, procs, paths = free_port(), [], []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(),
-                                                                         os.environ.get("PYTHONPATH")])))
         for rank in range(world):
             path = os.path.join(self.tmp, f"{name}-{rank}.json")
             paths.append(path)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", *extra, "--rank",
+            cmd = [sys.executable, "-m", "bench.gpu_check", "--worker", *extra, "--rank",
                    str(rank), "--world", str(world), "--port", str(port), "--result", path]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+            procs.append(subprocess.Popen(cmd, env=repo_env(), stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         return self._collect(name, procs, paths, timeout_s)
 
@@ -274,17 +283,15 @@ def curve_check(d: Driver) -> None:
           + " ".join(f"{v:.3f}" for v in r["losses"][::5]))
 
 
-def run_script(d: Driver, key: str, script: str, args: list[str],
+def run_script(d: Driver, key: str, module: str, args: list[str],
                exits: tuple[int, ...] = (0,)) -> dict[str, Any] | None:
-    """Run bench/`script` with `args` + `--json PATH` (180 s at most); its JSON, or None after
-    recording the failure under checks[`key`]. `exits`: the exit codes that still leave a
-    result (a script may write its figures and exit 1 for a failed check)."""
+    """Run `python -m module` with `args` + `--json PATH` (180 s at most); its JSON, or None
+    after recording the failure under checks[`key`]. `exits`: the exit codes that still leave
+    a result (a script may write its figures and exit 1 for a failed check)."""
     path = os.path.join(d.tmp, f"{key}.json")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script),
-           *args, "--json", path]
+    cmd = [sys.executable, "-m", module, *args, "--json", path]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
         d.log(f"{key}: timed out after 180 s")
         d.figures["checks"][key] = {"ok": False, "error": "timeout"}
@@ -300,7 +307,7 @@ def run_script(d: Driver, key: str, script: str, args: list[str],
 
 
 def mfu_check(d: Driver) -> None:
-    r = run_script(d, "mfu", "mfu_bench.py",
+    r = run_script(d, "mfu", "bench.mfu_bench",
                    ["--device", d.device, "--steps", "10" if d.device == "cuda" else "3"])
     if r is None:
         return
@@ -315,7 +322,7 @@ def mfu_check(d: Driver) -> None:
 def snapshot_copy_check(d: Driver) -> None:
     """bench/device_snapshot_bench.py: a snapshot's device-to-host copy, blocking vs async
     (it exits 1, with its figures written, when the async copy is not exact)."""
-    r = run_script(d, "snapshot_copy", "device_snapshot_bench.py", ["--device", d.device],
+    r = run_script(d, "snapshot_copy", "bench.device_snapshot_bench", ["--device", d.device],
                    exits=(0, 1))
     if r is None:
         return
@@ -330,8 +337,10 @@ def snapshot_copy_check(d: Driver) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="the dry run: every check on CPU and gloo, small sizes (--device cpu)")
     parser.add_argument("--worker", default=None, choices=("parity", "curve"))
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--zero", type=int, default=0)
@@ -347,7 +356,7 @@ def main() -> int:
             json.dump(result, f)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    d = Driver(args.out, args.device)
+    d = Driver(args.out, "cpu" if args.quick else args.device)
     d.log(f"gpu_check on {args.device}; python {sys.version.split()[0]}")
     # Most valuable first: a run cut short by the host's time limit keeps what it reached.
     for check in (parity_world1, curve_check, mfu_check, snapshot_copy_check,

@@ -5,7 +5,7 @@
 # About 3-6 minutes on one H200. Exit code 0 only when every check passed.
 set -uo pipefail
 OUT="${OUT:-$(pwd)/gpu_check_out}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: the checks may run from elsewhere
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 PY="$(command -v python3 || command -v python)"
 {
@@ -13,4 +13,20 @@ PY="$(command -v python3 || command -v python)"
   "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 } 2>&1 | tee -a "$OUT/gpu_check.log"
-exec timeout 480 "$PY" bench/gpu_check.py --out "$OUT" "$@"
+# The checks import `tenax`, whose sub-packages only an install maps onto the role folders
+# (setup.py). A lent host without one gets the same layout as links in a temporary tree
+# (tenax/ plus the role folders under it, and bench/), and the checks run from there.
+if ! "$PY" -c 'import tenax.workers' 2>/dev/null; then
+  REPO="$(pwd)" TREE="$(mktemp -d)"
+  mkdir "$TREE/tenax"
+  ln -s "$REPO"/tenax/* "$TREE/tenax/"
+  for role in orchestrator workers checkpoint parallel; do
+    ln -s "$REPO/$role" "$TREE/tenax/$role"
+  done
+  ln -s "$REPO/proto/tenax/v1" "$TREE/tenax/v1"
+  ln -s "$REPO/bench" "$TREE/bench"
+  cd "$TREE" && export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "== tenax is not installed: running from $TREE (links into $REPO)" \
+    | tee -a "$OUT/gpu_check.log"
+fi
+exec timeout 480 "$PY" -m bench.gpu_check --out "$OUT" "$@"

@@ -1,9 +1,11 @@
 """MFU of the engine on one device, next to the planner's prediction for the same model/layout.
 
-    python bench/mfu_bench.py [--device cpu|cuda] [--dtype float32|bfloat16] [--size smoke|gpu]
-                              [--steps N] [--peak-flops F] [--json PATH]
+    python -m bench.mfu_bench [--device cpu|cuda] [--dtype float32|bfloat16] [--size smoke|gpu]
+                              [--steps N] [--peak-flops F] [--json PATH] [--quick]
 
-What runs: the real engine path (`tenax.parallel.parallelize`: model built on meta, initialised from
+`--quick`: the smoke size, 3 timed steps after 1 warm-up (explicit flags win).
+
+What runs: the real engine path (`tenax.parallel.parallel_model`: model built on meta, initialised from
 the seed, the hand-written DataParallel over a one-rank group) and the trainer's step recipe
 (micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW, after_optimizer_step).
 It deliberately imports nothing from orchestrator/ (no pydantic, no Ray) so it also runs on a
@@ -27,6 +29,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
 
 import torch
 import torch.distributed as dist
@@ -70,7 +76,7 @@ class EngineLoop:
 
     def __post_init__(self) -> None:
         from tenax.parallel.layout import ParallelLayout
-        from tenax.parallel.parallelize import parallelize
+        from tenax.parallel.parallel_model import parallelize
 
         self.layout = ParallelLayout(dp=self.dp, zero=self.zero, micro_batch_size=self.micro_batch)
         self.mesh = self.layout.build_mesh(self.device.type)
@@ -116,7 +122,8 @@ class EngineLoop:
         return loss_sum.item() / self.global_tokens
 
 
-def synthetic_batch(n: int, seq: int, vocab: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(n: int, seq: int, vocab: int, seed: int,
+                    step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, seq] inputs and next-token targets from a seeded repeating pattern (learnable)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     period = 16
@@ -161,17 +168,18 @@ def vendor_peak(device: torch.device) -> tuple[float, str]:
     return (gpu.peak_bf16_flops, gpu.name) if gpu is not None else (0.0, "")
 
 
-def planner_prediction(cfg: Any, loop: EngineLoop, peak: float, gpu_mem_gib: float) -> dict[str, Any]:
+def planner_prediction(cfg: Any, loop: EngineLoop, peak: float,
+                       gpu_mem_gib: float) -> dict[str, Any]:
     """The planner's estimate for this model pinned to one GPU and this micro-batch."""
     from tenax.parallel.cost_model import FP32_ADAMW
-    from tenax.parallel.planner import plan_layout
+    from tenax.parallel.planner import Cluster, PlanOptions, plan_layout
 
     fixed = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": loop.zero,
              "micro_batch_size": loop.micro_batch}
     try:
-        plan = plan_layout(cfg, 1, 1, gpu_mem_gib, loop.global_batch, cfg.seq_len,
-                           peak_flops=peak, fixed=fixed, state=FP32_ADAMW,
-                           dtype_bytes=2 if loop.autocast is not None else 4)
+        plan = plan_layout(cfg, Cluster(1, 1, gpu_mem_gib, peak_flops=peak), PlanOptions(
+            loop.global_batch, cfg.seq_len, fixed=fixed, state=FP32_ADAMW,
+            dtype_bytes=2 if loop.autocast is not None else 4))
     except (ValueError, AttributeError) as exc:  # a config without the planner's methods
         return {"error": f"{type(exc).__name__}: {exc}"}
     est = plan.best.to_dict()
@@ -218,14 +226,15 @@ def run_mfu(device: torch.device, dtype: str, size: str, steps: int, warmup: int
            "losses": losses, "loss_finite": all(l == l and abs(l) != float("inf") for l in losses)}
     if device.type == "cuda":
         out["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    mem = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else 64.0
+    mem = (torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+           if device.type == "cuda" else 64.0)
     out["planner"] = planner_prediction(cfg, loop, peak, mem)
     return out
 
 
 def one_rank_group(device: torch.device) -> None:
     """A world-size-1 process group on loopback (nccl on cuda, gloo on cpu)."""
-    from tenax.workers.launch import free_port, join_process_group
+    from tenax.workers.rendezvous import free_port, join_process_group
 
     if dist.is_initialized():
         return
@@ -239,11 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None)
     parser.add_argument("--size", choices=tuple(SIZES), default=None)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
     parser.add_argument("--peak-flops", type=float, default=None)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke size, 3 steps, 1 warm-up")
     args = parser.parse_args(argv)
+    quick = {"size": "smoke", "steps": 3, "warmup": 1} if args.quick else {"steps": 5, "warmup": 2}
+    for name, value in quick.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")

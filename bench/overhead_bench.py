@@ -2,11 +2,11 @@
 
     python -m bench.overhead_bench [--quick] [--json PATH]
 
-Why this comparison. Both sides run the same per-rank code (`tenax.workers.launch.run_rank`), the same
-model, layout (pinned dp2 zero1 on 2 ranks), data and checkpoint settings, for the same number
-of steps; the only difference is what sits around the ranks: on one side `python -m
-tenax.workers.launch` (two spawned processes and a queue), on the other the Tenax stack (Ray head and
-raylet, a rank actor per slot with a forkserver child, heartbeat polling by the controller,
+Why this comparison. Both sides run the same per-rank code (`tenax.workers.rank.run_rank`), the
+same model, layout (pinned dp2 zero1 on 2 ranks), data and checkpoint settings, for the same
+number of steps; the only difference is what sits around the ranks: on one side `python -m
+tenax.workers.launch` (two spawned processes and a queue), on the other the Tenax stack (Ray head
+and raylet, a rank actor per slot with a forkserver child, heartbeat polling by the controller,
 chaos hooks, event pipes). So the ratio is the price of orchestration (goal >= 0.95).
 
 Measured on steady-state steps only (the first WARMUP steps are skipped: allocator, page cache
@@ -52,7 +52,13 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
+from bench.common import Report, parse_args
+from tenax.testing.clusters import local_ray
+from tenax.testing.jobs import JobRun, make_spec
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +126,7 @@ def orchestration_cpu() -> dict[str, float]:
 
 def run_ray(root: str, steps: int) -> dict[str, Any]:
     with local_ray(gpus=2):
-        job = TimedJob(_spec(root, steps, "overhead-ray")).start()
+        job = JobRun(_spec(root, steps, "overhead-ray")).start()
         job.wait_for(lambda: job.controller.step >= WARMUP, TIMEOUT_S, f"step {WARMUP}")
         cpu0, t0 = orchestration_cpu(), time.monotonic()
         job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
@@ -161,7 +167,7 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     spec = make_spec(root, MODEL + SNAP_RESOURCES + [
         f"train.steps={steps}", f"checkpoint.every_steps={steps}",
         f"checkpoint.memory_every_steps={every}"], f"overhead-snap{every}")
-    job = TimedJob(spec).start()
+    job = JobRun(spec).start()
     job.wait_for(lambda: job.controller.step >= WARMUP, TIMEOUT_S, f"step {WARMUP}")
     cpu0, step0 = orchestration_cpu(), job.controller.step
     job.wait_for(lambda: job.controller.step >= steps - 1, TIMEOUT_S, f"step {steps - 1}")
@@ -188,7 +194,7 @@ def run_snapshot_variant(root: str, steps: int, every: int) -> dict[str, Any]:
     return out
 
 
-def snapshots_taken(job: TimedJob, first: int, last: int) -> int:
+def snapshots_taken(job: JobRun, first: int, last: int) -> int:
     """How many of steps (first, last] rank 0 snapshotted: its agent's records (the controller
     passes on only a process's first). A snapshot is skipped while the last one's replica is
     still on its way, so this shows whether replication kept up with every step."""
@@ -328,7 +334,8 @@ def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str,
     for key, label in (("in_step_tokens_per_s", "in-step"), ("wall_tokens_per_s", "wall")):
         pair = sorted(r[key] / b[key] for b, r in zip(bare, ray_))
         report.add(f"{label} tokens/s: Ray ÷ bare", statistics.median(pair), ">= 0.95",
-                   f"median of {len(pair)} back-to-back pairs (range {pair[0]:.3f}-{pair[-1]:.3f}); "
+                   f"median of {len(pair)} back-to-back pairs "
+                   f"(range {pair[0]:.3f}-{pair[-1]:.3f}); "
                    f"{mean(ray_, key):.0f} vs {mean(bare, key):.0f} tokens/s")
     worst = max(r["quantization_s"] / r["window_s"] for r in ray_)
     report.add("wall window quantization bound", worst,
@@ -338,7 +345,8 @@ def orchestration_part(root: str, quick: bool, report: Report) -> list[dict[str,
                                                    .items())[:3])
     report.add("orchestration CPU (cores busy)", cores,
                note=f"of {os.cpu_count()} cores, steady window; top: {top}")
-    report.add("ratio implied by that CPU: 1 − cores busy ÷ cores", 1 - cores / (os.cpu_count() or 1),
+    report.add("ratio implied by that CPU: 1 − cores busy ÷ cores",
+               1 - cores / (os.cpu_count() or 1),
                ">= 0.95", "load-independent estimate when the ranks saturate every core")
     report.add("median step (bare)", mean(bare, "median_step_s"), unit="s",
                note=f"{bare[0]['layout']}, {bare[0]['steady_steps']} steady steps x {pairs} run(s)")

@@ -57,7 +57,8 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, cfg.vocab_size, (per_rank, cfg.seq_len + 1), generator=gen)
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(),
+                               tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -67,8 +68,8 @@ def main() -> int:
             if pending is not None:
                 pending.result()
             state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-            pending = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"),
-                                     process_group=ckpt_group)
+            pending = dcp.async_save(state, process_group=ckpt_group,
+                                     checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"))
         ends.append(time.perf_counter())
         cpu.append(time.process_time())
     if pending is not None:
@@ -77,8 +78,9 @@ def main() -> int:
         steps = [b - a for a, b in zip(ends, ends[1:])]
         cpu_steps = [b - a for a, b in zip(cpu, cpu[1:])]
         with open(args.json_path, "w") as f:
-            json.dump({"world": world, "step_s": steps, "median_step_s": statistics.median(steps[2:]),
-                       "cpu_step_s": cpu_steps, "mean_cpu_step_s": statistics.mean(cpu_steps[2:])}, f)
+            json.dump({"world": world, "step_s": steps,
+                       "median_step_s": statistics.median(steps[2:]), "cpu_step_s": cpu_steps,
+                       "mean_cpu_step_s": statistics.mean(cpu_steps[2:])}, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0

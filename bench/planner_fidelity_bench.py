@@ -30,6 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
 from bench.common import Report, parse_args, ratio
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,8 @@ def dp_rows(n: int) -> list[tuple[str, dict[str, Any], list[str]]]:
              [f"train.global_batch_size={DP_BATCH}"]) for z in range(4) for m in (1, 4)]
 
 
-WORLD2 = [("tp2 L2", {"tp": 2, "zero": 0}, []), ("tp2 L3", {"tp": 2, "zero": 0}, ["model.n_layers=3"]),
+WORLD2 = [("tp2 L2", {"tp": 2, "zero": 0}, []),
+          ("tp2 L3", {"tp": 2, "zero": 0}, ["model.n_layers=3"]),
           *dp_rows(2),
           ("pp2", {"pp": 2, "zero": 0}, []), ("cp2", {"cp": 2, "zero": 0}, []),
           ("ep2", {"dp": 2, "ep": 2, "zero": 0}, [MOE])]
@@ -178,7 +183,8 @@ def measure_config(layout: dict[str, Any], extra: list[str]) -> dict[str, Any]:
     experts = sum(p.numel() for n, p in trainer.pm.named_parameters() if is_expert_param(n))
     out = {"comm": counter.by_kind(), "comm_counter_raw": counter.summary(),
            "by_dtype": dict(counter.by_dtype),
-           "cp_bytes": sum(c.total_bytes for c in cps), "cp_hops": sum(c.forward_hops + c.backward_hops for c in cps),
+           "cp_bytes": sum(c.total_bytes for c in cps),
+           "cp_hops": sum(c.forward_hops + c.backward_hops for c in cps),
            "moe_sent": sum(s.a2a_bytes_sent for s in moe),
            "moe_remote": sum(s.a2a_remote_bytes_sent for s in moe),
            "moe_received": sum(s.a2a_bytes_received for s in moe),
@@ -195,7 +201,7 @@ def _rank_main(rank: int, world: int, port: int, configs: list, q: Any) -> None:
     try:
         import torch
 
-        from tenax.workers.launch import join_process_group, leave_process_group
+        from tenax.workers.rendezvous import join_process_group, leave_process_group
 
         torch.set_num_threads(1)
         join_process_group(rank, world, "127.0.0.1", port, 120.0)
@@ -208,7 +214,7 @@ def _rank_main(rank: int, world: int, port: int, configs: list, q: Any) -> None:
 
 def run_group(world: int, configs: list, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Run `configs` on `world` fresh gloo ranks; results by rank (raises with tracebacks)."""
-    from tenax.workers.launch import free_port
+    from tenax.workers.rendezvous import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -248,7 +254,7 @@ def spec_of(extra: list[str]) -> Any:
 
 
 def comm_rows(report: Report, r2: dict[str, list[dict[str, Any]]]) -> None:
-    from tenax.parallel.cost_model import cp_comm, dp_comm, pp_comm, tp_comm
+    from tenax.parallel.cost_model import cp_comm, pp_comm, tp_comm
 
     s = spec_of([])
     m, gb = s.model, s.train.global_batch_size

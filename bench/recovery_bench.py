@@ -40,15 +40,20 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import (Report, TimedJob, local_ray, make_spec, parse_args, ratio, ray_cluster,
-                          snapshot_leftovers)
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
+from bench.common import Report, parse_args, ratio, snapshot_leftovers
+from tenax.testing.clusters import local_ray, ray_cluster
+from tenax.testing.jobs import JobRun, make_spec
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0
 
 
-def analyse_faults(job: TimedJob, fault_times: list[float]) -> list[dict[str, Any]]:
+def analyse_faults(job: JobRun, fault_times: list[float]) -> list[dict[str, Any]]:
     """Per fault: detection latency, fault -> first resumed step, lost steps, detector kind."""
     out = []
     for tf in sorted(fault_times):
@@ -71,12 +76,12 @@ def analyse_faults(job: TimedJob, fault_times: list[float]) -> list[dict[str, An
     return out
 
 
-def _mode_after(job: TimedJob, t: float) -> str | None:
+def _mode_after(job: JobRun, t: float) -> str | None:
     placed = next((e for e in job.of("placed") if e["t"] >= t), None)
     return placed.get("mode") if placed else None
 
 
-def cold_start_s(job: TimedJob) -> float | None:
+def cold_start_s(job: JobRun) -> float | None:
     first = job.first_step_after(job.started_at)
     return first["t"] - job.started_at if first else None
 
@@ -87,7 +92,7 @@ def kill_rank_case(root: str, quick: bool) -> dict[str, Any]:
     with local_ray(gpus=2) as ray_info:
         spec = make_spec(root, [f"train.steps={steps}", "resources.nodes=1",
                                 "resources.gpus_per_node=2"], "recovery-kill")
-        job = TimedJob(spec, chaos).run(TIMEOUT_S)
+        job = JobRun(spec, chaos).run(TIMEOUT_S)
         fired = job.fired()
     faults = analyse_faults(job, list(fired.values()))
     return {"case": "kill rank", "state": job.state, "chaos": chaos, "steps": steps,
@@ -144,7 +149,7 @@ def node_loss_case(root: str, quick: bool, how: str) -> dict[str, Any]:
                                 "resources.gpus_per_node=2", "resources.min_nodes=1",
                                 "resources.max_nodes=2", "fault_tolerance.max_restarts=3"],
                          f"recovery-node-{how}")
-        job = TimedJob(spec).start()
+        job = JobRun(spec).start()
         job.wait_for(lambda: job.controller.step >= at, TIMEOUT_S, f"step {at}")
         victim = next(n for n in nodes if n.node_id == job.controller.group.ranks[2].node_id)
         procs = _node_processes(victim)

@@ -31,6 +31,10 @@ import tempfile
 import time
 from typing import Any, Iterator
 
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
 from bench.common import Report, parse_args, ratio
 
 logger = logging.getLogger(__name__)
@@ -56,14 +60,15 @@ def save_both_job(rank: int, world: int, root: str, dims: list[str],
     from tenax.checkpoint.manager import CheckpointManager
     from tenax.checkpoint.memory.snapshot import MemorySnapshotter
     from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.checkpoint_config import checkpoint_config
     from tenax.workers.trainer import Trainer
 
     spec = _spec(dims, f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
     trainer.run_step()
     done: list[dict[str, Any]] = []
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=300) as mgr:
-        snapshotter = MemorySnapshotter(spec, mgr.state, rank, world, f"{snaps}/snap-{rank}",
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=300) as mgr:
+        snapshotter = MemorySnapshotter(mgr.config, mgr.state, rank, world, f"{snaps}/snap-{rank}",
                                         GENERATION, all_ranks_agree, done.append)
         mgr.save(1)
         snapshotter.snapshot(1)
@@ -114,18 +119,18 @@ def _timed(fn: Any) -> float:
 def load_reps_job(rank: int, world: int, root: str, dims: list[str], layout: dict[str, Any],
                   reps: int, snaps: str, s3: dict[str, Any] | None) -> dict[str, Any]:
     """Alternate memory / storage (warm, cold, s3) loads of step 1 into `layout`."""
-    import torch.distributed as dist
-
     from tenax.checkpoint.manager import CheckpointManager
     from tenax.parallel.layout import ParallelLayout
+    from tenax.workers.checkpoint_config import checkpoint_config
     from tenax.workers.trainer import Trainer
 
     spec = _spec(dims, f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
     order = ["memory", "storage_warm", "storage_cold"] + (["storage_s3"] if s3 else [])
     times: dict[str, list[float]] = {k: [] for k in ["assemble", *order]}
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=300) as mgr:
-        remote = CheckpointManager(_spec(dims, s3["uri"]), trainer, rank, world, timeout_s=300,
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=300) as mgr:
+        remote = CheckpointManager(checkpoint_config(_spec(dims, s3["uri"])), trainer, rank,
+                                   world, timeout_s=300,
                                    storage_options=s3["options"]) if s3 else None
         for rep in range(reps):
             for kind in order if rep % 2 == 0 else order[::-1]:
@@ -183,8 +188,9 @@ def moto_s3(wanted: bool) -> Iterator[dict[str, Any] | None]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    fake = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    for key, value in fake.items():
         os.environ.setdefault(key, value)  # the rank processes inherit them
     options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
                "skip_instance_cache": True}
@@ -225,7 +231,7 @@ def main() -> int:
         p.add_argument("--no-s3", action="store_true", help="skip the s3:// (moto) storage case")
 
     args = parse_args(__doc__, extra)
-    from tests.distributed import run_ranks
+    from tenax.testing.ranks import run_ranks
 
     dims = QUICK if args.quick else FULL
     reps = args.reps or (4 if args.quick else 8)

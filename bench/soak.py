@@ -19,7 +19,8 @@ On embedded Ray every rank runs on one Ray node, so `kill node=0` uses the node-
 semantics: the block's ranks die and the controller retires that block's GPU slots for good
 (the bench gives Ray spare slots so capacity stays at max_nodes). `hang_timeout_s` is small so
 hangs are detected in seconds. The clean run uses the same spec in the same Ray session.
-The bench runs 3 seeds by default (seed, seed+1, seed+2); it passes only if every seed does.
+The bench runs 3 seeds by default (seed, seed+1, seed+2; `--quick`: 1 seed of 8 faults); it
+passes only if every seed does.
 """
 from __future__ import annotations
 
@@ -32,7 +33,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.common import Report, TimedJob, local_ray, make_spec, parse_args, write_json
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
+from bench.common import Report, parse_args, write_json
+from tenax.testing.clusters import local_ray
+from tenax.testing.jobs import JobRun, make_spec, mismatched_steps
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +129,7 @@ class ResumeAudit:
                                  "problems": problems, "source": "storage"})
 
 
-def fired_faults(job: TimedJob) -> list[str]:
+def fired_faults(job: JobRun) -> list[str]:
     """Chaos event ids that fired: rank-side ones from the ledger (one key per rank; a node
     kill fires on each of its ranks), controller-side ones (scale, corrupt)."""
     ids = {key.rsplit(":", 1)[0] for key in job.fired()}
@@ -135,7 +142,7 @@ def _kind_of(event_id: str) -> str:
     return f"kill-{'node' if ':node=' in event_id else 'rank'}" if kind == "kill" else kind
 
 
-def lost_committed_steps(job: TimedJob, keep_last: int) -> list[dict[str, Any]]:
+def lost_committed_steps(job: JobRun, keep_last: int) -> list[dict[str, Any]]:
     """Per recovery: the newest intact committed step known before the failure (within what
     retention keeps) vs the step resumed from.
 
@@ -177,7 +184,7 @@ def lost_committed_steps(job: TimedJob, keep_last: int) -> list[dict[str, Any]]:
     return out
 
 
-def checkpoint_order_violations(job: TimedJob) -> list[str]:
+def checkpoint_order_violations(job: JobRun) -> list[str]:
     """A checkpoint step must exceed the previous one unless a recovery or rescale resumed
     in between (then it must exceed the step resumed from)."""
     bad, floor = [], 0
@@ -200,11 +207,11 @@ def run_soak(cfg: SoakConfig, root: str) -> dict[str, Any]:
     chaos = "; ".join(f.chaos for f in faults)
     # Each node-block kill retires gpus_per_node slots for good: spare slots keep max_nodes.
     with local_ray(gpus=cfg.gpus_per_node * (cfg.nodes + n_node_kills), cpus=8):
-        clean = TimedJob(_spec(root, cfg, "soak-clean", n_unplanned)).run(cfg.timeout_s)
+        clean = JobRun(_spec(root, cfg, "soak-clean", n_unplanned)).run(cfg.timeout_s)
         spec = _spec(root, cfg, "soak", n_unplanned)
-        job = TimedJob(spec, chaos)
+        job = JobRun(spec, chaos)
         audit = ResumeAudit(spec.checkpoint.uri)
-        job.controller.observers.append(audit)
+        job.controller.add_observer(audit)
         job.run(cfg.timeout_s)
         fired = fired_faults(job)
     return {"config": asdict(cfg), "faults": [asdict(f) for f in faults], "chaos": chaos,
@@ -216,8 +223,7 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
     job, clean, cfg = result["job"], result["clean"], result["config"]
     fired_kinds = [_kind_of(i) for i in result["fired"]]
     got, want = job.losses(), clean.losses()
-    mismatched = [s for s, loss in want.items()
-                  if s not in got or abs(got[s] - loss) > 1e-5 * abs(loss)]
+    mismatched = mismatched_steps(got, want)
     final, final_clean = got.get(cfg["steps"]), want.get(cfg["steps"])
     recoveries = lost_committed_steps(job, cfg["keep_last"])
     return {
@@ -267,7 +273,8 @@ def report(c: dict[str, Any], cfg: SoakConfig) -> Report:
             "== 0", f"{c['resumes_audited']} of {c['resumes_expected']} resumes audited on storage")
     rep.add("checkpoint steps going backwards", len(c["checkpoint_order_violations"]), "== 0",
             "except through a recovery to a committed step")
-    ratio_ = c["final_loss"] / c["clean_final_loss"] if c["final_loss"] and c["clean_final_loss"] else None
+    ratio_ = (c["final_loss"] / c["clean_final_loss"]
+              if c["final_loss"] and c["clean_final_loss"] else None)
     rep.add("final loss ÷ clean run's", ratio_, "== 1 ±1e-5",
             f"{len(c['loss_mismatched_steps'])} step(s) differ; job {c['state']}")
     rep.add("wall time, chaos run", c["wall_s"], unit="s",
@@ -283,19 +290,22 @@ def soak_one(cfg: SoakConfig, quick: bool) -> tuple[Report, bool]:
     rep = report(c, cfg)
     rep.context = {"quick": quick, "config": result["config"], "chaos": result["chaos"],
                    "faults": result["faults"], "fired": result["fired"], "audit": result["audit"],
-                   "checks": c, "events": [e for e in result["job"].events if e.get("event") != "step"]}
+                   "checks": c,
+                   "events": [e for e in result["job"].events if e.get("event") != "step"]}
     return rep, passed(c)
 
 
 def main() -> int:
     def extra(parser: Any) -> None:
         parser.add_argument("--seed", type=int, default=0, help="first seed")
-        parser.add_argument("--seeds", type=int, default=3, help="seeds to run: seed, seed+1, ...")
+        parser.add_argument("--seeds", type=int, default=0,
+                            help="seeds to run: seed, seed+1, ... (default 3, quick: 1)")
         parser.add_argument("--faults", type=int, default=0, help="default 21 (quick: 8)")
 
     args = parse_args(__doc__, extra)
     reports, verdicts = [], []
-    for seed in range(args.seed, args.seed + max(1, args.seeds)):
+    seeds = args.seeds or (1 if args.quick else 3)
+    for seed in range(args.seed, args.seed + max(1, seeds)):
         cfg = SoakConfig(n_faults=args.faults or (8 if args.quick else 21), seed=seed)
         rep, ok = soak_one(cfg, args.quick)
         rep.print()

@@ -5,7 +5,7 @@
 
 Why this shape. The detector's enemy is the noise of real per-rank busy-time throughput, so
 the traces are real: 4 gloo ranks on this machine (2 shared cores) train the tiny example
-model with `tenax.workers.launch.run_rank`, and rank 3's compute is stretched (chaos `slow`, the
+model with `tenax.workers.rank.run_rank`, and rank 3's compute is stretched (chaos `slow`, the
 same mechanism as `--chaos "slow rank=3 factor=F"`) by 1.1×, 1.2×, 1.25× and 1.5× in turn,
 each slow stretch preceded by a healthy one. Every rank's step records (with the `time` the
 rank stamped them) are kept. The `StragglerTracker` the controller uses is then replayed over
@@ -26,6 +26,10 @@ import os
 import statistics
 import tempfile
 from typing import Any
+
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
 
 from bench.common import Report, parse_args, write_json
 
@@ -52,27 +56,29 @@ def schedule(segment: int) -> list[float]:
 
 def _rank_main(spec: dict[str, Any], layout: dict[str, Any], rank: int, port: int,
                factors: list[float], queue: Any) -> None:
-    from tenax.workers.launch import run_rank
+    from tenax.workers.rank import RankHooks, RankOptions, run_rank
 
-    calls = [0]
+    class Slow:
+        """The rank loop's fault hook, as a chaos `slow` drives it: the factor per step."""
+        slow_factor = 1.0
 
-    def slow() -> float:
-        calls[0] += 1
-        return factors[min(calls[0], len(factors)) - 1] if rank == SLOW_RANK else 1.0
+        def before_step(self, step: int) -> None:
+            if rank == SLOW_RANK:
+                self.slow_factor = factors[min(step, len(factors)) - 1]
 
     def on_step(record: dict[str, Any]) -> None:
         if record.get("event") == "step":
             queue.put({k: record[k] for k in ("rank", "step", "rank_tokens_per_s", "time")})
 
-    run_rank(spec, layout, rank, WORLD, "127.0.0.1", port, on_step=on_step, resume=False,
-             slow_factor=slow)
+    run_rank(RankOptions(spec, layout, rank, WORLD, "127.0.0.1", port, resume=False),
+             RankHooks(on_step=on_step, faults=Slow()))
     queue.put({"rank": rank, "end": True})
 
 
 def record_trace(segment: int, root: str) -> list[dict[str, Any]]:
     """One real 4-rank run; every rank's step records."""
     from tenax.orchestrator.spec import layout_from_spec, load_spec
-    from tenax.workers.launch import free_port
+    from tenax.workers.rendezvous import free_port
 
     factors = schedule(segment)
     spec = load_spec(overrides=MODEL + [f"train.steps={len(factors)}",

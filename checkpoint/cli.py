@@ -14,8 +14,9 @@ import logging
 import sys
 from typing import Any
 
-from tenax.checkpoint.format.catalog import Catalog, CatalogError, version_name
-from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.errors import CatalogError, StorageError
+from tenax.checkpoint.format.catalog import Catalog, version_name
+from tenax.checkpoint.format.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -70,23 +70,25 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tenax.checkpoint.collectives import all_ranks_agree, dist_on
-from tenax.checkpoint.errors import (CheckpointError, CheckpointTimeoutError, ModelMismatchError,
-                                     StateProviderError)
-from tenax.checkpoint.format.catalog import Catalog, CatalogError, spec_hash, version_name
-from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.config import CheckpointConfig
+from tenax.checkpoint.errors import (CatalogError, CheckpointError, CheckpointTimeoutError,
+                                     ModelMismatchError, StateProviderError, StorageError)
+from tenax.checkpoint.format.catalog import Catalog, version_name
+from tenax.checkpoint.format.manifest import CommitInfo
+from tenax.checkpoint.format.retention_policy import Retention
+from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.load.loading import check_layout, check_manifest, choose_version, load_into
 from tenax.checkpoint.save.fork_writer import start_fork
 from tenax.checkpoint.save.planning import SavePlans
 from tenax.checkpoint.save.state import (Stager, StateProvider, TrainerState, as_state_provider,
                                          describe_error, manifest_fields)
-from tenax.checkpoint.save.writer import (CommitInfo, Flight, SaveJob, failed_event, fault_for,
-                                          run_inline, start_thread)
+from tenax.checkpoint.save.writer import (Flight, SaveJob, failed_event, fault_for, run_inline,
+                                          start_thread)
 from tenax.checkpoint.tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "ModelMismatchError",
-           "StateProvider", "StateProviderError", "TrainerState", "WRITERS"]
+__all__ = ["CheckpointManager", "StateProvider", "TrainerState", "WRITERS"]
 
 WRITERS = ("auto", "fork", "thread", "sync")
 _SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseException
@@ -95,29 +97,30 @@ _SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseExce
 class CheckpointManager:
     """Save and load one job's checkpoints on one rank (every rank makes its own).
 
-    `state` is a Trainer or a StateProvider. `timeout_s` (default
-    fault_tolerance.hang_timeout_s) bounds every wait; `writer` overrides the async choice
-    ("auto", "fork", "thread", "sync"); `storage_options` go to fsspec (s3 endpoint, keys).
+    `config` is the job's `CheckpointConfig`; `state` is a Trainer or a StateProvider.
+    `timeout_s` (default config.timeout_s) bounds every wait; `writer` overrides the async
+    choice ("auto", "fork", "thread", "sync"); `storage_options` go to fsspec (s3 endpoint,
+    keys: per run, never part of the config).
     """
 
-    def __init__(self, spec: Any, state: Any, rank: int, world: int, *,
+    def __init__(self, config: CheckpointConfig, state: Any, rank: int, world: int, *,
                  timeout_s: float | None = None, writer: str = "auto",
                  storage_options: dict[str, Any] | None = None) -> None:
         if writer not in WRITERS:
             raise CheckpointError(f"writer: {writer!r} must be one of {WRITERS}")
         if not 0 <= rank < world:
             raise CheckpointError(f"rank {rank} is outside world size {world}")
-        self.spec, self.rank, self.world = spec, rank, world
+        self.config, self.rank, self.world = config, rank, world
         self.state = as_state_provider(state)
-        self.timeout_s = float(timeout_s or spec.fault_tolerance.hang_timeout_s)
-        self.storage = Storage(spec.checkpoint.uri, timeout_s=self.timeout_s,
+        self.timeout_s = float(timeout_s or config.timeout_s)
+        self.storage = Storage(config.uri, timeout_s=self.timeout_s,
                                storage_options=storage_options)
         self.catalog = Catalog(self.storage)
         if isinstance(self.storage.fs, MemoryFileSystem) and world > 1:
             raise CheckpointError(f"{self.storage.uri}: memory:// lives in one process and "
                                   f"cannot hold a checkpoint of {world} ranks; use file:// or "
                                   f"an object store")
-        self.model_hash = spec_hash(spec.model)
+        self.model_hash = config.model_hash
         self.mode = self._pick_writer(writer)
         self._flight: Flight | None = None
         self.plans = SavePlans()  # shared with this rank's in-memory snapshots
@@ -131,7 +134,7 @@ class CheckpointManager:
 
     def _pick_writer(self, writer: str) -> str:
         if writer == "auto":  # thread: measured to lose the least training time (docstring)
-            writer = "thread" if self.spec.checkpoint.async_ else "sync"
+            writer = "thread" if self.config.async_save else "sync"
         if writer == "fork" and not (self.storage.is_local and hasattr(os, "fork")):
             logger.info("%s: fork writer needs a local filesystem; using the thread writer",
                         self.storage.uri)
@@ -214,7 +217,7 @@ class CheckpointManager:
         waited = time.monotonic() - t0
         if warn and waited > 0.01:
             logger.warning("save waited %.2fs for the previous one: checkpoint.every_steps=%d "
-                           "is shorter than a write", waited, self.spec.checkpoint.every_steps)
+                           "is shorter than a write", waited, self.config.every_steps)
 
     def _begin(self, step: int) -> bool:
         if self.rank != 0:
@@ -236,16 +239,13 @@ class CheckpointManager:
             return None
         job = SaveJob(self.storage, step, self.rank, self.world, started, self.timeout_s,
                       self.mode, file=planned.file, nbytes=planned.nbytes,
-                      metadata_bytes=planned.metadata_bytes,
-                      commit=self._commit_info() if self.rank == 0 else None,
-                      started_wall=started_wall)
+                      metadata_bytes=planned.metadata_bytes, started_wall=started_wall)
+        if self.rank == 0:  # the save's coordinator commits it and applies retention
+            job.commit = CommitInfo(step=step, world_size=self.world, **manifest_fields(
+                self.state, self.config.job, self.model_hash))
+            job.retention = Retention(self.config.keep_last, self.config.keep_every,
+                                      tuple(sorted(self._protect)))
         return job, planned.tensors
-
-    def _commit_info(self) -> CommitInfo:
-        ck = self.spec.checkpoint
-        return CommitInfo(**manifest_fields(self.state, self.spec.name, self.model_hash),
-                          keep_last=ck.keep_last, keep_every=ck.keep_every,
-                          protect=tuple(sorted(self._protect)))
 
     def _launch(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
         """Start the write with the chosen writer, falling back to thread, then sync."""

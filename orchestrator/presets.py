@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from tenax.workers.presets import PRESETS, preset_model
+from tenax.workers import PRESETS, preset_model
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tenax.parallel.planner import PlanResult, plan_pinned
-from tenax.workers.spec import (CheckpointSpec, DataSpec, Degree, FaultToleranceSpec, JobSpec,
-                                ModelSpec, MoESpec, ParallelSpec, ResourcesSpec, SpecError,
-                                TrainSpec, apply_overrides, cross_field_problems,
-                                format_validation_error, layout_from_spec, load_spec,
-                                parse_spec_text, spec_from_dict)
+from tenax.parallel import Cluster, PlanResult, plan_pinned
+from tenax.workers import (CheckpointSpec, DataSpec, Degree, FaultToleranceSpec, JobSpec, ModelSpec,
+                           MoESpec, ParallelSpec, ResourcesSpec, SpecError, TrainSpec,
+                           apply_overrides, cross_field_problems, format_validation_error,
+                           layout_from_spec, load_spec, parse_spec_text, spec_from_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -29,4 +28,5 @@ def plan_for_spec(spec: JobSpec, gpus: int, gpus_per_node: int, gpu_mem_gib: flo
                   pin_zero: bool = False, **options: Any) -> PlanResult:
     """The planner's best layout honoring the spec (see `tenax.parallel.planner.plan_pinned`)."""
     return plan_pinned(spec.model.args(), spec.parallel.model_dump(), spec.train.global_batch_size,
-                       spec.train.dtype, gpus, gpus_per_node, gpu_mem_gib, pin_zero, **options)
+                       spec.train.dtype, Cluster(gpus, gpus_per_node, gpu_mem_gib, **options),
+                       pin_zero)

@@ -21,10 +21,6 @@ PART_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "dp_comm_s": "exp
                "bubble_s": "pipeline bubble"}
 
 
-class PlanError(ValueError):
-    """No layout can run this model on these GPUs; the message says what was closest."""
-
-
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float

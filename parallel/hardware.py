@@ -83,6 +83,6 @@ def gpu_from_device_name(device_name: str) -> GpuModel | None:
 
 
 def planner_options(gpu: GpuModel) -> dict[str, Any]:
-    """plan_layout keyword arguments for this GPU (peak, links, and the figures to report)."""
+    """`planner.Cluster` keyword arguments for this GPU (peak, links, the figures to report)."""
     return {"peak_flops": gpu.peak_bf16_flops, "network": gpu.network(),
             "hardware": gpu.to_dict()}

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tenax.parallel.config import ModelArgs
+from tenax.parallel.errors import LayoutError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -27,10 +28,6 @@ logger = logging.getLogger(__name__)
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run this model on this many ranks; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Ne
                                        in_flight_microbatches, layer_activation_bytes,
                                        model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
                                        train_flops_per_token)
-from tenax.parallel.estimate import PART_LABELS, Estimate, PlanError, PlanResult, StepTime, why_lost
-from tenax.parallel.layout import LayoutError, ParallelLayout
+from tenax.parallel.errors import LayoutError, PlanError
+from tenax.parallel.estimate import PART_LABELS, Estimate, PlanResult, StepTime, why_lost
+from tenax.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,42 @@ DP_OVERLAP = 0.8            # share of DP comm that can hide behind compute (not
 ZERO_PREFERENCE = (1, 2, 0, 3)
 NEAR_MISS = 1.5             # a faster layout that needs up to 1.5x the budget is worth showing
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a plan is for: how many, how many share a node, and what one GPU can do.
+
+    `peak_flops` is one GPU's dense peak and `network` its intra- and inter-node links
+    (`hardware.planner_options` gives both per GPU model); `hardware` is only reported with
+    the plan."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu_mem_gib: float = 80.0
+    network: Network = Network()
+    peak_flops: float = H100_BF16_PEAK
+    hardware: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a plan must honour and what its estimate assumes.
+
+    `fixed` pins any of FIXABLE ("auto" = free). global_batch_size defaults to 4 sequences per
+    GPU (8 -> 32, 512 -> 2048), seq_len to the model's. `margin` is the share of GPU memory
+    left free, `mfu` the share of peak sustained; `state` and `dtype_bytes` are the bytes per
+    parameter of weights, gradients and optimizer, and per activation (bf16 mixed precision
+    by default)."""
+
+    global_batch_size: int | None = None
+    seq_len: int | None = None
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    mfu: float = 0.4
+    margin: float = 0.1
+    state: StateBytes = MIXED_ADAMW
+    dtype_bytes: float = 2
+    max_micro_batch: int = MAX_MICRO_BATCH
 
 
 @dataclass(frozen=True)
@@ -266,35 +303,39 @@ def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanEr
                      f"recompute={small.recompute}); add GPUs or memory. Rejected: {why}")
 
 
-def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
-                global_batch_size: int | None = None, seq_len: int | None = None,
-                network: Network = Network(), mfu: float = 0.4,
-                peak_flops: float = H100_BF16_PEAK, margin: float = 0.1,
-                fixed: Mapping[str, Any] | None = None, state: StateBytes = MIXED_ADAMW,
-                dtype_bytes: float = 2, max_micro_batch: int = MAX_MICRO_BATCH,
-                hardware: Mapping[str, Any] | None = None) -> PlanResult:
-    """The fastest layout of `gpus` GPUs that fits; `fixed` pins any of FIXABLE ("auto" = free).
-    global_batch_size defaults to 4 sequences per GPU (8 -> 32, 512 -> 2048), seq_len to the
-    model's. Raises PlanError when nothing fits, naming the smallest memory need found."""
-    pinned = {k: v for k, v in (fixed or {}).items() if v != "auto"}
-    ints = {k: v for k, v in dict(pinned, gpus=gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
-            global_batch_size=global_batch_size, max_micro_batch=max_micro_batch).items()
+def _pinned_degrees(cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
+    """The request's pinned degrees, once every number in it was checked (PlanError if not)."""
+    o = options
+    pinned = {k: v for k, v in o.fixed.items() if v != "auto"}
+    ints = {k: v for k, v in dict(pinned, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
+            seq_len=o.seq_len, global_batch_size=o.global_batch_size,
+            max_micro_batch=o.max_micro_batch).items()
             if v is not None and k not in ("zero", "pp_schedule")}
     bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     unknown = sorted(set(pinned) - set(FIXABLE))
     if bad or unknown or pinned.get("zero", 1) not in ZERO_PREFERENCE:
         raise PlanError(f"need positive integers (bad: {bad}), fixed keys among {FIXABLE} "
                         f"(unknown: {unknown}) and zero in 0..3 (got {pinned.get('zero', 1)!r})")
-    if not (gpu_mem_gib > 0 and 0 <= margin < 1 and 0 < mfu <= 1 and peak_flops > 0):
+    mem, peak = cluster.gpu_mem_gib, cluster.peak_flops
+    if not (mem > 0 and 0 <= o.margin < 1 and 0 < o.mfu <= 1 and peak > 0):
         raise PlanError(f"need gpu_mem_gib > 0, 0 <= margin < 1, 0 < mfu <= 1, peak_flops > 0; "
-                        f"got {gpu_mem_gib}, {margin}, {mfu}, {peak_flops}")
-    if seq_len is not None and seq_len != model.seq_len:
-        model = replace(model, seq_len=seq_len)
-    ctx = _Ctx(model, gpus, gpus_per_node, global_batch_size or 4 * gpus,
-               gpu_mem_gib * 2 ** 30 * (1 - margin), network, gpus * peak_flops * mfu, state,
-               dtype_bytes, max_micro_batch, pinned, model.num_params(),
-               model.num_params(active=True), model.expert_params(),
-               model.moe.top_k if model.moe else 1, gpus * peak_flops)
+                        f"got {mem}, {o.margin}, {o.mfu}, {peak}")
+    return pinned
+
+
+def plan_layout(model: ModelArgs, cluster: Cluster,
+                options: PlanOptions = PlanOptions()) -> PlanResult:
+    """The fastest layout of `cluster`'s GPUs that fits, honouring `options` (see PlanOptions).
+    Raises PlanError when nothing fits, naming the smallest memory need found."""
+    pinned = _pinned_degrees(cluster, options)
+    o, gpus, gpus_per_node, peak = options, cluster.gpus, cluster.gpus_per_node, cluster.peak_flops
+    if o.seq_len is not None and o.seq_len != model.seq_len:
+        model = replace(model, seq_len=o.seq_len)
+    ctx = _Ctx(model, gpus, gpus_per_node, o.global_batch_size or 4 * gpus,
+               cluster.gpu_mem_gib * 2 ** 30 * (1 - o.margin), cluster.network,
+               gpus * peak * o.mfu, o.state, o.dtype_bytes, o.max_micro_batch, pinned,
+               model.num_params(), model.num_params(active=True), model.expert_params(),
+               model.moe.top_k if model.moe else 1, gpus * peak)
     found, rejected = _search(ctx)
     if not any(e.fits for e in found) and "pp" in pinned:
         # The user pinned a pipeline: the m >= 4*pp rule of thumb becomes a warning.
@@ -315,12 +356,11 @@ def plan_layout(model: ModelArgs, gpus: int, gpus_per_node: int, gpu_mem_gib: fl
     request = {"gpus": gpus, "gpus_per_node": gpus_per_node, "global_batch_size": ctx.gbs,
                "seq_len": ctx.model.seq_len, "fixed": ctx.fixed}
     return PlanResult(best, runners_up, dict(rejected), len(found), request,
-                      dict(hardware or {}, peak_flops_per_gpu=peak_flops, mfu_assumed=mfu))
+                      dict(cluster.hardware or {}, peak_flops_per_gpu=peak, mfu_assumed=o.mfu))
 
 
 def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size: int, dtype: str,
-                gpus: int, gpus_per_node: int, gpu_mem_gib: float = 80.0, pin_zero: bool = False,
-                **options: Any) -> PlanResult:
+                cluster: Cluster, pin_zero: bool = False) -> PlanResult:
     """plan_layout honoring the spec's `parallel` section (a plain mapping, "auto" = free), its
     global batch and train.dtype: every degree that is not "auto" is pinned, and so are
     micro_batch_size, seq_len and the global batch. The ZeRO stage is free only while dp is
@@ -335,7 +375,6 @@ def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size
         fixed.update(pp_schedule=p["pp_schedule"], pp_virtual_stages=p["pp_virtual_stages"])
     fixed["micro_batch_size"] = p["micro_batch_size"]
     fp32 = dtype == "float32"
-    options.setdefault("state", FP32_ADAMW if fp32 else MIXED_ADAMW)
-    options.setdefault("dtype_bytes", 4 if fp32 else 2)
-    return plan_layout(model, gpus, gpus_per_node, gpu_mem_gib, global_batch_size,
-                       model.seq_len, fixed=fixed, **options)
+    return plan_layout(model, cluster, PlanOptions(
+        global_batch_size, model.seq_len, fixed, state=FP32_ADAMW if fp32 else MIXED_ADAMW,
+        dtype_bytes=4 if fp32 else 2))

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from tenax.workers.launch import forget_dtensor_caches
+from tenax.checkpoint.config import CheckpointConfig
+from tenax.workers.checkpoint_config import checkpoint_config
+from tenax.workers.rendezvous import forget_dtensor_caches
 from tests.engine_jobs import TINY
 
 BASE = TINY + ["train.global_batch_size=12", "train.steps=20"]
@@ -26,6 +28,11 @@ def ckpt_spec(uri: str, extra: list[str] | None = None):
     from tenax.orchestrator.spec import load_spec
 
     return load_spec(overrides=BASE + [f"checkpoint.uri={uri}"] + (extra or []))
+
+
+def ckpt_config(uri: str, extra: list[str] | None = None) -> CheckpointConfig:
+    """The checkpoint layer's config of `ckpt_spec(uri, extra)`."""
+    return checkpoint_config(ckpt_spec(uri, extra))
 
 
 def world_of(layout: dict[str, Any]) -> int:
@@ -65,7 +72,8 @@ def _phase(rank: int, world: int, phase: dict[str, Any], uri: str, extra: list[s
     spec = ckpt_spec(uri, extra)
     layout = ParallelLayout(**{"micro_batch_size": 1, **phase["layout"]})
     trainer = Trainer(spec, layout)
-    with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, writer=writer,
+                           timeout_s=60) as mgr:
         loaded_step = mgr.load(layout)
         loaded = full_state(trainer) if loaded_step is not None else None
         cursor = trainer.loader.state_dict()["samples_consumed"]
@@ -123,12 +131,13 @@ def roundtrip_job(rank: int, world: int, uri: str, options: dict | None,
     first = Trainer(spec, layout)
     for _ in range(2):
         first.run_step()
-    with CheckpointManager(spec, first, rank, world, writer=writer,
+    with CheckpointManager(checkpoint_config(spec), first, rank, world, writer=writer,
                            storage_options=options) as mgr:
         mgr.save(2)
         event = mgr.wait()
     second = Trainer(spec, layout)
-    with CheckpointManager(spec, second, rank, world, storage_options=options) as mgr:
+    with CheckpointManager(checkpoint_config(spec), second, rank, world,
+                           storage_options=options) as mgr:
         step = mgr.load()
     a, b = full_state(first), full_state(second)
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
@@ -180,7 +189,7 @@ def killable_job(uri: str, pause_dir: str, writer: str, queue: Any) -> None:
     init_gloo(0, 1, free_port())
     spec = ckpt_spec(uri)
     trainer = Trainer(spec, ParallelLayout(micro_batch_size=1))
-    mgr = CheckpointManager(spec, trainer, 0, 1, writer=writer, timeout_s=60)
+    mgr = CheckpointManager(checkpoint_config(spec), trainer, 0, 1, writer=writer, timeout_s=60)
     trainer.run_step()
     mgr.save(1)
     first = mgr.wait()
@@ -203,7 +212,8 @@ def save_modes_job(rank: int, world: int, root: str, writers: list[str]) -> dict
     for writer in writers:
         spec = ckpt_spec(f"file://{root}/{writer}")
         trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
-        with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+        with CheckpointManager(checkpoint_config(spec), trainer, rank, world, writer=writer,
+                               timeout_s=60) as mgr:
             for _ in range(2):
                 trainer.run_step()
                 mgr.save(trainer.step)
@@ -220,7 +230,7 @@ def load_and_step_job(rank: int, world: int, uri: str, layout: dict[str, Any]) -
 
     spec = ckpt_spec(uri)
     trainer = Trainer(spec, ParallelLayout(micro_batch_size=1, **layout))
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         step = mgr.load()
     cursor = trainer.loader.state_dict()["samples_consumed"]
     return {"step": step, "cursor": cursor, "loss": trainer.run_step().loss}
@@ -244,13 +254,14 @@ def snapshot_job(rank: int, world: int, root: str, writers: list[str]) -> dict[s
         trainer = Trainer(spec, layout)
         trainer.run_step()
         at_save = full_state(trainer)
-        with CheckpointManager(spec, trainer, rank, world, writer=writer, timeout_s=60) as mgr:
+        with CheckpointManager(checkpoint_config(spec), trainer, rank, world, writer=writer,
+                               timeout_s=60) as mgr:
             mgr.save(1)
             trainer.run_step()  # these steps change every tensor while the write goes on
             trainer.run_step()
             event = mgr.wait()
         fresh = Trainer(spec, layout)
-        with CheckpointManager(spec, fresh, rank, world, timeout_s=60) as mgr:
+        with CheckpointManager(checkpoint_config(spec), fresh, rank, world, timeout_s=60) as mgr:
             step = mgr.load()
         loaded, now = full_state(fresh), full_state(trainer)
         out[writer] = {"step": step, "event": event,
@@ -269,7 +280,8 @@ def rank_failure_job(rank: int, world: int, uri: str) -> dict[str, Any]:
     spec = ckpt_spec(uri)
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
     events = []
-    with CheckpointManager(spec, trainer, rank, world, writer="thread", timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, writer="thread",
+                           timeout_s=60) as mgr:
         for step in (1, 2, 3):
             trainer.run_step()
             os.environ["TENAX_CKPT_FAULT"] = "fail" if step == 2 else ""

@@ -1,4 +1,8 @@
-"""Helpers for tests of `tenax serve`: server subprocesses, stubs, bounded waits on streams."""
+"""Helpers for tests of `tenax serve`: server subprocesses, stubs, bounded waits on streams.
+
+The jobs they submit are `tenax.testing.jobs.job_overrides` (the small job every real-Ray test
+runs).
+"""
 from __future__ import annotations
 
 import json
@@ -14,9 +18,9 @@ from typing import Any, Callable
 
 import grpc
 
-from tenax.v1 import jobs_pb2 as pb
-from tenax.v1 import jobs_pb2_grpc as pb_grpc
-from tests.ray_helpers import SMALL
+from tenax.testing import jobs
+from tenax.proto import jobs_pb2 as pb
+from tenax.proto import jobs_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,11 +31,6 @@ def auth(token: str | None) -> list[tuple[str, str]]:
 
 def stub(port: int) -> pb_grpc.JobServiceStub:
     return pb_grpc.JobServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-
-
-def job_overrides(tmp_path: Path, name: str, extra: list[str]) -> list[str]:
-    uri = f"file://{tmp_path}/{name}-{time.monotonic_ns()}"
-    return SMALL + [f"checkpoint.uri={uri}", f"name={name}"] + extra
 
 
 def submit(s: pb_grpc.JobServiceStub, md: list, overrides: list[str], spec: str = "{}") -> str:
@@ -141,9 +140,8 @@ class ServerProcess:
 
 def run_cli(args: list[str], env: dict[str, str] | None = None,
             timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", *args], cwd=REPO,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout_s)
+    """`tenax ARGS` run from the repository root, as `ServerProcess` runs `tenax serve`."""
+    return jobs.run_cli(args, env, timeout_s, cwd=REPO)
 
 
 # ---- fuzzing (hypothesis) -----------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tenax.workers.checkpoint_config import checkpoint_config
 from tests.ckpt_jobs import ckpt_spec, full_state
 
 
@@ -22,10 +23,10 @@ def snapshot_and_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     at_save = full_state(trainer)
     done: list[dict[str, Any]] = []
     enumerated: list[int] = []
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         pieces_for_save = mgr.state.pieces_for_save
         mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
-        snaps = MemorySnapshotter(spec, mgr.state, rank, world, f"{root}/snap-{rank}", 7,
+        snaps = MemorySnapshotter(mgr.config, mgr.state, rank, world, f"{root}/snap-{rank}", 7,
                                   all_ranks_agree, done.append, plans=mgr.plans)
         mgr.save(1)
         snaps.snapshot(1)
@@ -46,7 +47,8 @@ def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> d
     out: dict[str, Any] = {}
     for name, source in (("storage", None), ("memory", memory_uri)):
         trainer = Trainer(spec, ParallelLayout(tp=2, micro_batch_size=1))
-        with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+        with CheckpointManager(checkpoint_config(spec), trainer, rank, world,
+                               timeout_s=60) as mgr:
             step = mgr.load(source_uri=source)
             events = mgr.drain_events()
         out[name] = {"step": step, "state": full_state(trainer),
@@ -75,7 +77,7 @@ def reused_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
     cache, mismatches, fast, enumerated = None, [], 0, []
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         pieces_for_save = mgr.state.pieces_for_save  # counts the plans made from scratch
         mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
         for step in range(1, 6):
@@ -108,7 +110,7 @@ def handed_plan_job(rank: int, world: int, root: str, layout: dict[str, Any]) ->
     spec = ckpt_spec(f"file://{root}/storage")
     trainer = Trainer(spec, ParallelLayout.from_dict(layout))
     trainer.run_step()
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         blobs: list[str] = []
         mgr.plans.on_new_plan = lambda cache: blobs.append(encode_plan(cache, rank, world))
         mgr.plans.plan(mgr.state, rank, all_ranks_agree)  # from scratch: handed over
@@ -145,7 +147,7 @@ def not_ready_job(rank: int, world: int, root: str) -> dict[str, Any]:
     trainer = Trainer(spec, ParallelLayout(dp=2, zero=1, micro_batch_size=1))
     trainer.run_step()
     enumerated: list[int] = []
-    with CheckpointManager(spec, trainer, rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         pieces_for_save = mgr.state.pieces_for_save
         mgr.state.pieces_for_save = lambda: enumerated.append(1) or pieces_for_save()
         first = mgr.plans.plan(mgr.state, rank, all_ranks_agree)  # from scratch

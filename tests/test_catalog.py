@@ -9,19 +9,26 @@ import json
 import logging
 import pickle
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tenax.checkpoint.format.catalog import (FORMAT_VERSION, Catalog, CatalogError, FileEntry,
-                                             Manifest, ManifestError, parse_version_name,
-                                             retention_plan, spec_hash, version_name)
-from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.errors import CatalogError, ManifestError, StorageError
+from tenax.checkpoint.format.catalog import (FORMAT_VERSION, Catalog, FileEntry, Manifest,
+                                             parse_version_name, retention_plan, spec_hash,
+                                             version_name)
+from tenax.checkpoint.format.manifest import CommitInfo
+from tenax.checkpoint.format.storage import Storage
 
 META = dict(layout={"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}, world_size=2,
             model_hash="abc", data_cursor=0, seed=7, lr_step=0)
+
+
+def commit_info(step: int, **fields: Any) -> CommitInfo:
+    """The commit of `step` with META's manifest fields, `fields` replacing any of them."""
+    return CommitInfo(step=step, **{**META, **fields})
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -48,7 +55,7 @@ def save(cat: Catalog, step: int, commit: bool = True) -> Manifest | None:
     cat.storage.write_bytes(f"{name}/.metadata", b"dcp metadata")
     if not commit:
         return None
-    return cat.commit(step, **{**META, "data_cursor": step * 32, "lr_step": step})
+    return cat.commit(commit_info(step, data_cursor=step * 32, lr_step=step))
 
 
 def flip_byte(cat: Catalog, rel: str, at: int = 3) -> None:
@@ -122,6 +129,20 @@ def test_errors_are_picklable() -> None:
         assert type(back) is type(exc) and str(back) == str(exc)
 
 
+def test_every_checkpoint_and_parallel_error_pickles() -> None:
+    """They cross Ray actor boundaries: a message-only constructor and a stable home."""
+    import tenax.checkpoint.errors as checkpoint_errors
+    import tenax.parallel.errors as parallel_errors
+
+    classes = [c for module in (checkpoint_errors, parallel_errors) for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, Exception)
+               and c.__module__ == module.__name__]
+    assert len(classes) == 17
+    for cls in classes:
+        back = pickle.loads(pickle.dumps(cls("why")))
+        assert type(back) is cls and str(back) == "why"
+
+
 # ---- commit ----------------------------------------------------------------------------------
 def test_commit_records_every_file_and_round_trips(cat: Catalog) -> None:
     m = save(cat, 40)
@@ -158,7 +179,7 @@ def test_failed_commit_leaves_version_uncommitted(cat: Catalog, monkeypatch) -> 
 
     monkeypatch.setattr(cat.storage, "checksum", broken)
     with pytest.raises(CatalogError, match="boom"):
-        cat.commit(20, **META)
+        cat.commit(commit_info(20))
     monkeypatch.undo()
     assert [(v.step, v.committed) for v in cat.versions()] == [(10, True), (20, False)]
     assert cat.latest_committed().step == 10
@@ -179,22 +200,22 @@ def test_version_without_manifest_is_never_latest(cat: Catalog) -> None:
 
 def test_commit_refuses_missing_empty_or_incomplete_versions(cat: Catalog) -> None:
     with pytest.raises(CatalogError, match="does not exist") as info:
-        cat.commit(10, **META)
+        cat.commit(commit_info(10))
     assert cat.storage.url("step-00000010") in str(info.value)
     cat.begin(10)
     with pytest.raises(CatalogError, match="no files|does not exist"):
-        cat.commit(10, **META)
+        cat.commit(commit_info(10))
     cat.storage.write_bytes("step-00000010/__0_0.distcp", b"x")
     with pytest.raises(CatalogError, match="missing files.*__1_0.distcp"):
-        cat.commit(10, **META, expected_files=["__0_0.distcp", "__1_0.distcp"])
+        cat.commit(commit_info(10, expected_files=["__0_0.distcp", "__1_0.distcp"]))
     cat.storage.write_bytes("step-00000010/__1_0.distcp", b"")
     with pytest.raises(CatalogError, match="empty files.*__1_0.distcp"):
-        cat.commit(10, **META)
+        cat.commit(commit_info(10))
     assert cat.committed_steps() == []
-    m = cat.commit(10, **META, expected_files=["__0_0.distcp"], allow_empty_files=True)
+    m = cat.commit(commit_info(10, expected_files=["__0_0.distcp"], allow_empty_files=True))
     assert m.files["__1_0.distcp"].size == 0
     with pytest.raises(CatalogError, match="already committed"):
-        cat.commit(10, **META)
+        cat.commit(commit_info(10))
 
 
 def test_begin_wipes_leftover_and_guards_committed(cat: Catalog) -> None:

@@ -22,11 +22,12 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
+from tenax.checkpoint.errors import CheckpointError, ModelMismatchError
 from tenax.checkpoint.format.catalog import Catalog, version_name
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.manager import CheckpointError, CheckpointManager, ModelMismatchError
+from tenax.checkpoint.manager import CheckpointManager
 from tenax.orchestrator.cli.main import main as tenax
-from tests.ckpt_jobs import (DictState, ckpt_spec, killable_job, load_and_step_job,
+from tests.ckpt_jobs import (DictState, ckpt_config, ckpt_spec, killable_job, load_and_step_job,
                              rank_failure_job, roundtrip_job, save_modes_job, snapshot_job,
                              train_losses)
 from tests.distributed import rank_context, run_ranks
@@ -48,7 +49,7 @@ def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = DEADLIN
 
 def manager(uri: str, state: DictState, **spec_extra: Any) -> CheckpointManager:
     extra = [f"checkpoint.{k}={v}" for k, v in spec_extra.items()]
-    return CheckpointManager(ckpt_spec(uri, extra), state, 0, 1, timeout_s=30, writer="sync")
+    return CheckpointManager(ckpt_config(uri, extra), state, 0, 1, timeout_s=30, writer="sync")
 
 
 def flip_byte(path: Path) -> None:
@@ -218,7 +219,7 @@ def test_failed_save_is_reported_and_training_goes_on(tmp_path: Path, monkeypatc
         uri = f"brokenmem://tenax-tests/{uuid.uuid4().hex}"
         break_it = lambda on: setattr(BrokenMemoryFS, "broken", on)  # noqa: E731
     state = DictState()
-    mgr = CheckpointManager(ckpt_spec(uri), state, 0, 1, timeout_s=30, writer="thread")
+    mgr = CheckpointManager(ckpt_config(uri), state, 0, 1, timeout_s=30, writer="thread")
     try:
         for step in (1, 2, 3):
             state.train()
@@ -256,7 +257,8 @@ def test_model_hash_mismatch_is_refused_clearly(tmp_path: Path) -> None:
     with manager(uri, state) as mgr:
         state.train()
         mgr.save(1)
-    other = CheckpointManager(ckpt_spec(uri, ["model.dim=128"]), DictState(), 0, 1, timeout_s=30)
+    other = CheckpointManager(ckpt_config(uri, ["model.dim=128"]), DictState(), 0, 1,
+                              timeout_s=30)
     with pytest.raises(ModelMismatchError) as err:
         other.load()
     message = str(err.value)
@@ -267,9 +269,9 @@ def test_model_hash_mismatch_is_refused_clearly(tmp_path: Path) -> None:
 def test_misuse_is_refused(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/ckpt"
     with pytest.raises(CheckpointError, match="process group"):
-        CheckpointManager(ckpt_spec(uri), DictState(), 0, 2).save(0)
+        CheckpointManager(ckpt_config(uri), DictState(), 0, 2).save(0)
     with pytest.raises(CheckpointError, match="memory://"):
-        CheckpointManager(ckpt_spec(f"memory://x/{uuid.uuid4().hex}"), DictState(), 0, 2)
+        CheckpointManager(ckpt_config(f"memory://x/{uuid.uuid4().hex}"), DictState(), 0, 2)
     mgr = manager(uri, DictState())
     with pytest.raises(CheckpointError, match="must match"):
         mgr.save(5)

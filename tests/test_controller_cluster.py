@@ -2,30 +2,12 @@
 of placement, a node that dies, a node that joins, and scaling across nodes."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 
-from tests.ray_helpers import (JobRun, assert_same_losses, make_spec, ray_env, reference_losses,
-                               run_job)
+from tenax.testing.clusters import start_cluster
+from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, reference_losses, run_job
 
-pytestmark = pytest.mark.timeout(900)
-
-
-def start_cluster(gpu_nodes: int):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray_env()
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tenax-cluster-")  # private to this test
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "node_ip_address": "127.0.0.1"})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
-             for _ in range(gpu_nodes)]
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    cluster.wait_for_nodes()
-    return cluster, nodes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture

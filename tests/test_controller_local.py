@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ray_helpers import assert_same_losses, make_spec, run_job, start_local_ray
+from tenax.testing.clusters import start_local_ray
+from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, run_job
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,8 +98,6 @@ def test_scale_event_commits_then_replans_without_losing_steps(tmp_path, clean):
 
 def test_a_finished_job_run_again_is_already_complete(tmp_path, clean):
     """Same checkpoint URI as the clean run: nothing to train, and the job says so."""
-    from tests.ray_helpers import JobRun
-
     again = JobRun(clean.controller.spec).start().finish()
     assert again.controller.state.value == "SUCCEEDED"
     done = again.of("done")[0]
@@ -119,8 +118,6 @@ def test_events_carry_the_time_they_happened(clean):
 def test_scale_and_cancel_from_eight_threads_at_once(tmp_path):
     """gRPC handler threads call scale() and cancel() concurrently; the loop drains them."""
     import threading
-
-    from tests.ray_helpers import JobRun
 
     spec = make_spec(tmp_path, ["train.steps=400", "resources.nodes=1", "resources.gpus_per_node=1",
                                 "resources.max_nodes=2", "checkpoint.every_steps=100"])
@@ -177,10 +174,10 @@ def test_an_agent_links_its_own_snapshot_and_never_one_changed_since_it_was_veri
     restore drops the restores of older snapshot generations (each pins a whole state)."""
     import os
 
+    from tenax.checkpoint.errors import SnapshotError
     from tenax.checkpoint.format.catalog import Catalog
     from tenax.checkpoint.format.storage import Storage
-    from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
-                                                        crc32c_of)
+    from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
     from tenax.workers.snapshot_keeper import SnapshotKeeper
 
     data = {"__0_0.distcp": b"x" * 4096, ".metadata": b"{}"}
@@ -261,7 +258,7 @@ def test_an_agent_answers_a_wait_for_its_training_process_as_soon_as_it_ends():
     assert ray.get(agent.wait_ended.remote(1, 0.1), timeout=120) is False  # nothing ran yet
     waiting = agent.wait_ended.remote(1, 120)
     broken = RankRun(spec={"train": "not a table"}, layout={}, rank=0, world=1,
-                     addr="127.0.0.1", port=1, gpus_per_node=1)  # fails at once: invalid spec
+                     addr="127.0.0.1", port=1)  # fails at once: invalid spec
     assert ray.get(agent.start.remote(broken), timeout=120) == 1
     assert ray.get(waiting, timeout=120) is True
     assert ray.get(agent.heartbeat.remote(), timeout=60)["state"] == "failed"

@@ -29,6 +29,7 @@ def _per_layer(layout: dict, world: int) -> dict:
             for k in three}
 
 
+@pytest.mark.slow  # three runs on 2 ranks: more than ~5 s
 def test_tp_collectives_per_layer_match_cost_model():
     from tenax.parallel.cost_model import tp_comm
     from tests.engine_jobs import tiny_spec

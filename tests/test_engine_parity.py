@@ -39,8 +39,10 @@ def assert_matches(out: dict, ref: dict, param_tol: float) -> None:
         assert diff < param_tol, f"param {key}: max abs diff {diff:.2e}"
 
 
+SLOW = pytest.mark.slow  # the layouts whose run takes more than ~5 s on 2 shared cores
 SGD_LAYOUTS = [dict(dp=2, zero=z) for z in range(4)] + [dict(dp=4, zero=z) for z in range(4)] + [
-    dict(tp=2), dict(tp=4), dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2, zero=1)]
+    dict(tp=2), pytest.param(dict(tp=4), marks=SLOW),
+    pytest.param(dict(dp=2, tp=2, zero=3), marks=SLOW), dict(dp=2, tp=2, zero=1)]
 
 
 @pytest.mark.parametrize("layout", SGD_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
@@ -52,7 +54,7 @@ def test_sgd_parity(layout):
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=4, zero=3),
-                                    dict(dp=2, tp=2, zero=2)],
+                                    pytest.param(dict(dp=2, tp=2, zero=2), marks=SLOW)],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_adamw_parity(layout):
     ref = reference("adamw")
@@ -74,9 +76,11 @@ PP_LAYOUTS = [dict(pp=2, pp_schedule=s) for s in ("gpipe", "1f1b", "zero_bubble"
     dict(pp=4, pp_schedule="1f1b"), dict(pp=4, pp_schedule="gpipe"),
     dict(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=1),
     dict(pp=4, pp_schedule="zero_bubble"),
-    dict(pp=2, dp=2, zero=1), dict(pp=2, dp=2, zero=3), dict(pp=2, tp=2),
+    dict(pp=2, dp=2, zero=1), dict(pp=2, dp=2, zero=3),
+    pytest.param(dict(pp=2, tp=2), marks=SLOW),
     dict(cp=2), dict(cp=4), dict(cp=2, dp=2, zero=2), dict(pp=2, cp=2, zero=0),
-    dict(dp=2, pp=2, tp=2, zero=1), dict(dp=2, cp=2, tp=2, zero=3)]
+    pytest.param(dict(dp=2, pp=2, tp=2, zero=1), marks=SLOW),
+    pytest.param(dict(dp=2, cp=2, tp=2, zero=3), marks=SLOW)]
 
 
 @functools.lru_cache(maxsize=None)

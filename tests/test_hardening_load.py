@@ -10,7 +10,7 @@ from typing import Any
 
 from tenax.checkpoint.format.catalog import Catalog, FileEntry, share_of
 from tenax.checkpoint.format.storage import Storage
-from tests.ckpt_jobs import DictState, ckpt_spec
+from tests.ckpt_jobs import DictState, ckpt_config
 from tests.distributed import run_ranks
 
 
@@ -27,7 +27,7 @@ def save_and_load_job(rank: int, world: int, uri: str, phase: str) -> Any:
     from tenax.checkpoint.manager import CheckpointManager
 
     state = DictState()
-    with CheckpointManager(ckpt_spec(uri), state, rank, world, timeout_s=60,
+    with CheckpointManager(ckpt_config(uri), state, rank, world, timeout_s=60,
                            writer="sync") as mgr:
         if phase == "save":
             for step in (1, 2):
@@ -55,8 +55,7 @@ def test_damage_in_one_ranks_share_makes_every_rank_fall_back(tmp_path: Path) ->
 def load_failing_on_rank_job(rank: int, world: int, uri: str, failing: int) -> str:
     """Load with rank `failing`'s reads raising after the version was verified (storage lost
     mid-restore); returns what the load said on this rank."""
-    from tenax.checkpoint.errors import CheckpointError
-    from tenax.checkpoint.format.storage import StorageError
+    from tenax.checkpoint.errors import CheckpointError, StorageError
     from tenax.checkpoint.load.raw_reader import RawReader
     from tenax.checkpoint.manager import CheckpointManager
 
@@ -65,7 +64,7 @@ def load_failing_on_rank_job(rank: int, world: int, uri: str, failing: int) -> s
 
     if rank == failing:
         RawReader.read_data = unreadable  # this process only (a forked rank)
-    with CheckpointManager(ckpt_spec(uri), DictState(), rank, world, timeout_s=60) as mgr:
+    with CheckpointManager(ckpt_config(uri), DictState(), rank, world, timeout_s=60) as mgr:
         try:
             return f"loaded step {mgr.load()}"
         except CheckpointError as exc:

@@ -14,13 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tenax.checkpoint.errors import CheckpointError, MetadataFormatError
 from tenax.checkpoint.format.catalog import Catalog
-from tenax.checkpoint.format.metadata_codec import (FORMAT, LEGACY_FORMAT, MetadataFormatError,
-                                                    decode_metadata)
+from tenax.checkpoint.format.manifest import CommitInfo
+from tenax.checkpoint.format.metadata_codec import FORMAT, LEGACY_FORMAT, decode_metadata
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.manager import CheckpointError, CheckpointManager
+from tenax.checkpoint.manager import CheckpointManager
 from tenax.orchestrator.cli.main import main as tenax
-from tests.ckpt_jobs import DictState, ckpt_spec
+from tests.ckpt_jobs import DictState, ckpt_config
 
 
 class Planted:
@@ -34,7 +35,7 @@ class Planted:
 
 
 def manager(uri: str, state: DictState) -> CheckpointManager:
-    return CheckpointManager(ckpt_spec(uri), state, 0, 1, timeout_s=30, writer="sync")
+    return CheckpointManager(ckpt_config(uri), state, 0, 1, timeout_s=30, writer="sync")
 
 
 def plant(root: Path, payload: bytes, fmt: str) -> str:
@@ -48,9 +49,10 @@ def plant(root: Path, payload: bytes, fmt: str) -> str:
     old = catalog.manifest(1)
     catalog.storage.delete("step-00000001/manifest.json")
     catalog.storage.write_bytes("step-00000001/.metadata", payload)
-    catalog.commit(1, layout=old.layout, world_size=old.world_size, model_hash=old.model_hash,
-                   data_cursor=old.data_cursor, seed=old.seed, lr_step=old.lr_step,
-                   extra={**old.extra, "format": fmt})
+    catalog.commit(CommitInfo(step=1, layout=old.layout, world_size=old.world_size,
+                              model_hash=old.model_hash, data_cursor=old.data_cursor,
+                              seed=old.seed, lr_step=old.lr_step,
+                              extra={**old.extra, "format": fmt}))
     return uri
 
 

@@ -14,10 +14,11 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from tenax.checkpoint.format.catalog import Catalog, CatalogUnreachableError, retention_plan
+from tenax.checkpoint.errors import CatalogUnreachableError, CheckpointError
+from tenax.checkpoint.format.catalog import Catalog, retention_plan
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.manager import CheckpointError, CheckpointManager
-from tests.ckpt_jobs import DictState, ckpt_spec
+from tenax.checkpoint.manager import CheckpointManager
+from tests.ckpt_jobs import DictState, ckpt_config
 
 
 class FlakyFileSystem(LocalFileSystem):
@@ -46,8 +47,8 @@ def no_leftover_failures() -> Any:
 
 
 def manager(uri: str, state: DictState, keep_last: int = 1) -> CheckpointManager:
-    spec = ckpt_spec(uri, [f"checkpoint.keep_last={keep_last}"])
-    return CheckpointManager(spec, state, 0, 1, timeout_s=30, writer="sync")
+    config = ckpt_config(uri, [f"checkpoint.keep_last={keep_last}"])
+    return CheckpointManager(config, state, 0, 1, timeout_s=30, writer="sync")
 
 
 def save_steps(uri: str, steps: list[int], keep_last: int = 3) -> DictState:

@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tenax.checkpoint.format.catalog import Catalog
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.manager import CheckpointManager
-from tests.ckpt_jobs import DictState, ckpt_spec
+from tests.ckpt_jobs import DictState, ckpt_config
 
 
 class GatedFileSystem(LocalFileSystem):
@@ -42,8 +42,8 @@ def test_a_writer_given_up_on_never_commits_later(tmp_path: Path) -> None:
     GatedFileSystem.reached.clear()
     GatedFileSystem.gate.clear()
     state = DictState()
-    spec = ckpt_spec(uri, ["checkpoint.keep_last=5"])
-    mgr = CheckpointManager(spec, state, 0, 1, timeout_s=2, writer="thread")
+    config = ckpt_config(uri, ["checkpoint.keep_last=5"])
+    mgr = CheckpointManager(config, state, 0, 1, timeout_s=2, writer="thread")
     try:
         state.train()
         mgr.save(1)
@@ -70,7 +70,7 @@ def test_a_failed_save_removes_its_partial_directory(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     uri = f"file://{tmp_path}/ckpt"
     state = DictState()
-    with CheckpointManager(ckpt_spec(uri), state, 0, 1, timeout_s=30, writer="sync") as mgr:
+    with CheckpointManager(ckpt_config(uri), state, 0, 1, timeout_s=30, writer="sync") as mgr:
         state.train()
         mgr.save(1)
         monkeypatch.setenv("TENAX_CKPT_FAULT", "fail")  # ENOSPC, as a full disk fails

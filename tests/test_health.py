@@ -262,6 +262,7 @@ def test_window_waits_for_every_rank_and_reset_forgets() -> None:
 
 
 # ---- end to end ------------------------------------------------------------------------------
+@pytest.mark.slow  # `tenax run` on an embedded Ray
 def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
     """A real job on an embedded Ray: rank 1 runs 1.5× slower from step 10 and must be the only
     rank reported as a straggler in the JSON log."""
@@ -285,6 +286,7 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
     assert all(e["score"] < 0.9 and e["action"] == "alert" for e in stragglers), stragglers
 
 
+@pytest.mark.slow  # `tenax run` on an embedded Ray
 def test_evict_action_restarts_the_job_without_the_straggler_node(tmp_path: Path) -> None:
     """Two 1-GPU nodes, rank 1 slowed: `evict` restarts on the remaining node and finishes."""
     log = tmp_path / "log.jsonl"

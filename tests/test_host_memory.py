@@ -103,12 +103,27 @@ def test_off_is_disabled_with_the_field():
     plan = plan_snapshot_memory(spec(every=0), LAYOUT, 1e12)
     assert (plan.enabled, plan.reason, plan.per_node_peak_bytes) == (
         False, "checkpoint.memory_every_steps=0", 0)
+    assert (plan.requested_every, plan.every_steps) == (0, 0)
+
+
+def test_node_memory_is_read_only_when_snapshots_are_asked_for():
+    asked = []
+
+    def node_memory():
+        asked.append(1)
+        return 1e12
+
+    assert plan_snapshot_memory(spec(every=0), LAYOUT, node_memory).every_steps == 0
+    assert asked == []
+    assert plan_snapshot_memory(spec(every=3), LAYOUT, node_memory).every_steps == 3
+    assert asked == [1]
 
 
 def test_a_node_too_small_disables_them_naming_the_numbers():
     small = {"node-a": 1e12, "node-b": PEAK}   # node-b: peak > 0.5 x its memory
     plan = plan_snapshot_memory(spec(), LAYOUT, small)
     assert not plan.enabled
+    assert (plan.requested_every, plan.every_steps) == (1, 0)  # the ranks take none
     assert plan.per_node_peak_bytes == PEAK
     assert plan.per_rank_bytes == rank_snapshot_bytes(MODEL, LAYOUT)
     for text in ("checkpoint.memory_every_steps=1", f"{PEAK} B", "'node-b'",
@@ -126,6 +141,7 @@ def test_a_node_too_small_disables_them_naming_the_numbers():
 def test_fit_table(memory, enabled):
     plan = plan_snapshot_memory(spec(), LAYOUT, memory)
     assert plan.enabled is enabled
+    assert plan.every_steps == (1 if enabled else 0)
     if memory in (None, {}):
         assert "unknown" in plan.reason
 

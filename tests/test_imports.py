@@ -273,18 +273,19 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
     script = textwrap.dedent(f"""
         import importlib, os, sys
         from tenax.workers.worker import PRELOAD
-        from tenax.workers.launch import free_port, run_rank
         from tenax.workers.memory_options import MemoryOptions
+        from tenax.workers.rank import RankOptions, run_rank
+        from tenax.workers.rendezvous import free_port
         from tests.ckpt_jobs import ckpt_spec
 
         for name in PRELOAD:
             importlib.import_module(name)
         spec = ckpt_spec("file://{tmp_path}/ck", ["train.steps=3", "checkpoint.every_steps=2"])
-        spec, memory = spec.to_dict(), MemoryOptions(snapshot_dir="{tmp_path}")
+        spec, memory = spec.to_dict(), MemoryOptions(snapshot_dir="{tmp_path}", every_steps=1)
         before = set(sys.modules)
         for steps in (2, None):
-            run_rank(spec, {{"dp": 1}}, 0, 1, "127.0.0.1", free_port(), steps=steps,
-                     memory=memory)
+            run_rank(RankOptions(spec, {{"dp": 1}}, 0, 1, "127.0.0.1", free_port(), steps=steps,
+                                 memory=memory))
         ours = ("tenax.workers", "tenax.checkpoint", "tenax.parallel", "numpy", "fsspec",
                 "torch.distributed")
         late = sorted(m for m in set(sys.modules) - before if m.startswith(ours))
@@ -295,3 +296,118 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+LOWER_FACES = ("tenax.checkpoint", "tenax.checkpoint.format", "tenax.checkpoint.load",
+               "tenax.checkpoint.save", "tenax.checkpoint.memory", "tenax.parallel")
+
+
+def test_every_name_of_the_checkpoint_and_parallel_faces_resolves() -> None:
+    """Each face's `__all__` names resolve (lazily, through PEP 562 `__getattr__`), and a name
+    a face shares with a sub-package's face is the same object."""
+    import importlib
+
+    for face in LOWER_FACES:
+        module = importlib.import_module(face)
+        assert module.__doc__, f"{face} has no docstring"
+        unresolved = [name for name in module.__all__ if not hasattr(module, name)]
+        assert unresolved == [], f"{face}.__all__ names that do not resolve: {unresolved}"
+        parent = importlib.import_module(face.rpartition(".")[0])
+        shared = set(module.__all__) & set(getattr(parent, "__all__", ()))
+        assert [n for n in shared if getattr(parent, n) is not getattr(module, n)] == []
+
+
+def test_lower_faces_and_error_modules_import_without_torch() -> None:
+    """The faces resolve names only when asked: an agent (or the controller) that catches a
+    checkpoint error or reads a layout must not pay for torch."""
+    script = ("import sys, " + ", ".join(LOWER_FACES) + ", tenax.checkpoint.errors, "
+              "tenax.parallel.errors, tenax.parallel.layout, tenax.parallel.planner\n"
+              "sys.exit(1 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr or "torch was imported"
+
+
+ORCHESTRATOR_FACES = ("tenax.orchestrator", "tenax.orchestrator.chaos",
+                      "tenax.orchestrator.placement", "tenax.orchestrator.job",
+                      "tenax.orchestrator.service", "tenax.orchestrator.cli")
+
+
+def test_every_name_of_the_orchestrator_faces_resolves_without_torch() -> None:
+    """Each orchestrator face has a docstring and its `__all__` names resolve (a name shared
+    with a room's face is the same object); importing the faces and resolving every name
+    imports no torch (the controller and the service run without it)."""
+    script = textwrap.dedent(f"""
+        import importlib, sys
+
+        for face in {ORCHESTRATOR_FACES!r}:
+            module = importlib.import_module(face)
+            assert module.__doc__, face + " has no docstring"
+            missing = [name for name in module.__all__ if not hasattr(module, name)]
+            assert not missing, f"{{face}}.__all__ names that do not resolve: {{missing}}"
+            parent = importlib.import_module(face.rpartition(".")[0])
+            shared = set(module.__all__) & set(getattr(parent, "__all__", ()))
+            assert all(getattr(parent, n) is getattr(module, n) for n in shared), face
+        sys.exit(1 if "torch" in sys.modules else 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr or "torch was imported"
+
+
+def test_every_name_of_the_workers_face_resolves_without_torch() -> None:
+    """`tenax.workers` has a docstring and its `__all__` names resolve to the objects of the
+    modules that define them; importing the face and resolving every name but the data
+    loader's imports no torch (an agent imports this layer; the loader is a training process's)."""
+    script = textwrap.dedent("""
+        import importlib, sys
+        import tenax.workers as face
+
+        assert face.__doc__, "tenax.workers has no docstring"
+        torch_names = {"prepare_token_file"}
+        missing = [name for name in face.__all__
+                   if name not in torch_names and not hasattr(face, name)]
+        assert not missing, f"tenax.workers.__all__ names that do not resolve: {missing}"
+        assert face.run_rank is importlib.import_module("tenax.workers.rank").run_rank
+        if "torch" in sys.modules:
+            sys.exit(1)
+        assert all(hasattr(face, name) for name in torch_names)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr or "torch was imported"
+
+
+def face_bypasses(paths: list[Path], root: Path = REPO) -> list[str]:
+    """Imports of another layer's inner module instead of a package face (an `__init__`)."""
+    found = []
+    for path in paths:
+        own = path.relative_to(root).parts[0]
+        for line, module in imported_modules(ast.parse(path.read_text())):
+            layer = layer_of(module)
+            if layer is None or layer == own:
+                continue
+            if not (root.joinpath(*module.split(".")[1:]) / "__init__.py").is_file():
+                found.append(f"{path.relative_to(root)}:{line} imports {module} "
+                             f"(import from the face of tenax.{layer} instead)")
+    return found
+
+
+def test_other_layers_are_imported_through_their_faces() -> None:
+    problems = face_bypasses(python_files(*LAYERS))
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_face_scan_catches_an_inner_module(tmp_path: Path) -> None:
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "checkpoint" / "save").mkdir(parents=True)
+    (tmp_path / "checkpoint" / "__init__.py").write_text("")
+    (tmp_path / "checkpoint" / "save" / "__init__.py").write_text("")
+    fake = tmp_path / "workers" / "fake.py"
+    fake.write_text("from tenax.checkpoint import CheckpointManager\n"
+                    "from tenax.checkpoint.save import Stager\n"
+                    "from tenax.checkpoint.save.writer import x\n"
+                    "import tenax.checkpoint.manager\n")
+    problems = face_bypasses([fake], root=tmp_path)
+    assert [p.split(" ")[2] for p in problems] == ["tenax.checkpoint.save.writer",
+                                                   "tenax.checkpoint.manager"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -13,12 +13,16 @@ from tenax.orchestrator.cli.runner import sigterm_interrupts
 pytestmark = pytest.mark.timeout(60)
 
 
-def _controller() -> tuple[Any, list[dict[str, Any]]]:
-    from tenax.orchestrator.job.controller import Controller
+def _controller(count_gpus: Callable[..., Any] | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """A controller whose capacity count (its first call into a cluster, at PLACING) runs
+    `count_gpus`: the real loop runs up to there without Ray."""
+    from tenax.orchestrator.job.controller import Controller, ControllerOptions
     from tenax.orchestrator.spec import load_spec
 
     events: list[dict[str, Any]] = []
-    return Controller(load_spec(overrides=["name=interrupts"]), on_event=events.append), events
+    seams = {"cluster_capacity": count_gpus} if count_gpus else {}
+    options = ControllerOptions(on_event=events.append, **seams)
+    return Controller(load_spec(overrides=["name=interrupts"]), options), events
 
 
 def _sigterm_self() -> None:
@@ -32,14 +36,12 @@ def _sigterm_self() -> None:
 def test_the_cancelled_state_names_the_interrupt(signalled):
     from tenax.orchestrator.job.states import JobState
 
-    controller, events = _controller()
-
-    def step_once() -> None:  # the loop is interrupted wherever it is
+    def count_gpus(*_: Any) -> Any:  # the loop is interrupted wherever it is
         if signalled:
             _sigterm_self()
         raise KeyboardInterrupt
 
-    controller.step_once = step_once
+    controller, events = _controller(count_gpus)
     with sigterm_interrupts(controller):
         assert controller.run() == JobState.CANCELLED
     ended = [e for e in events if e["event"] == "state"][-1]

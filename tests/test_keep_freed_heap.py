@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.timeout(120),
 SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
     import torch
-    from tenax.workers.launch import keep_freed_heap
+    from tenax.workers.rank import keep_freed_heap
 
     tuned = keep_freed_heap() if sys.argv[1] == "tune" else None
     for _ in range(20):  # the heap grows to its steady size (aligned blocks need a few)
@@ -44,6 +44,7 @@ def _faults(mode: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two subprocesses that import torch and fault in 48 MiB buffers: ~6 s
 def test_freed_buffers_are_reused_without_page_faults():
     untuned, tuned = _faults("plain"), _faults("tune")
     assert untuned["faults"] >= 8 * PAGES_PER_BUFFER, untuned  # fresh pages (almost) every time

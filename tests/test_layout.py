@@ -6,8 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenax.parallel.config import ModelArgs
-from tenax.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout, degree_problems
-from tenax.workers.spec import SpecError, layout_from_spec, load_spec
+from tenax.parallel.errors import LayoutError
+from tenax.parallel.layout import MESH_DIMS, ParallelLayout, degree_problems
+from tenax.workers.errors import SpecError
+from tenax.workers.spec import layout_from_spec, load_spec
 from tests.distributed import free_port, init_gloo, run_ranks, shutdown_gloo
 
 

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from tenax.checkpoint.errors import ShardError
+from tenax.checkpoint.errors import ShardError, StorageError
 from tenax.checkpoint.format.metadata_codec import ShardLocation
-from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.load.local_reads import LocalChunkReader
 from tenax.checkpoint.load.raw_reader import RawReader
 from tenax.checkpoint.tensor_bytes import byte_view

@@ -1,7 +1,7 @@
 """The pinned Prometheus metrics, checked on a real HTTP scrape of a MetricsServer.
 
-A fake controller (the attributes `attach` and `observe` read: job_id, spec, group.ranks,
-stragglers.scores, goodput, observers) and a fake clock drive the exporter, so the semantics
+A fake controller (what `attach` and `observe` use: job_id, timeouts, group.ranks,
+stragglers.scores, goodput, add_observer) and a fake clock drive the exporter, so the semantics
 (dead rank, growing heartbeat age, old group removed, restarts by reason) are tested exactly.
 """
 from __future__ import annotations
@@ -65,9 +65,10 @@ def handle(rank: int, node: str, last_reply: float, step: int = 5, dead: str | N
 
 
 def fake_controller(job_id: str, ranks: list[SimpleNamespace]) -> SimpleNamespace:
-    ft = SimpleNamespace(heartbeat_timeout_s=5.0)
-    return SimpleNamespace(job_id=job_id, spec=SimpleNamespace(fault_tolerance=ft),
-                           group=SimpleNamespace(ranks=ranks), observers=[],
+    observers: list[Any] = []
+    return SimpleNamespace(job_id=job_id, timeouts=SimpleNamespace(heartbeat_timeout_s=5.0),
+                           group=SimpleNamespace(ranks=ranks), observers=observers,
+                           add_observer=observers.append,
                            stragglers=SimpleNamespace(scores={0: 1.0, 1: 0.62}),
                            goodput=SimpleNamespace(summary=lambda: {"goodput": 0.75}))
 
@@ -238,13 +239,14 @@ def test_loss_is_nan_before_the_first_step(server: MetricsServer) -> None:
     assert values(samples, "tenax_job_state", state="PENDING") == [1.0]
 
 
+@pytest.mark.slow  # a real controller on an embedded Ray
 def test_real_kill_shows_rank_down_then_recovery(tmp_path: Any) -> None:
     """A real controller on an embedded Ray with `kill rank=1`: the poll that sees the death
     exports rank 1 down before the group is re-formed; afterwards every rank is up again and
     the restart and recovery are counted."""
     from tenax.orchestrator.chaos.faults import parse_chaos
     from tenax.orchestrator.cli.runner import ray_session
-    from tenax.orchestrator.job.controller import Controller, JobState
+    from tenax.orchestrator.job.controller import Controller, ControllerOptions, JobState
     from tenax.orchestrator.job.metrics import TenaxCollector
     from tenax.orchestrator.spec import load_spec
 
@@ -260,10 +262,11 @@ def test_real_kill_shows_rank_down_then_recovery(tmp_path: Any) -> None:
         seen.append({"up": up, "restarts": restarts})
 
     with ray_session(None, spec):
-        controller = Controller(spec, parse_chaos("kill rank=1 at=20"),
-                                lambda e: [cb(e) for cb in sink.extra])
+        options = ControllerOptions(chaos=parse_chaos("kill rank=1 at=20"),
+                                    on_event=lambda e: [cb(e) for cb in sink.extra])
+        controller = Controller(spec, options)
         attach(collector, controller, sink)
-        controller.observers.append(record)  # after the metrics observer
+        controller.add_observer(record)  # after the metrics observer
         assert controller.run() == JobState.SUCCEEDED
     down = [i for i, snap in enumerate(seen) if snap["up"].get("1") == 0.0]
     assert down, f"rank 1 never exported as down: {seen}"

@@ -6,10 +6,10 @@ import signal
 
 import pytest
 
-from tests.ray_helpers import JobRun, assert_same_losses, make_spec, reference_losses
+from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, reference_losses
 from tests.test_controller_cluster import TWO_NODES, cluster2  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # A short heartbeat timeout keeps the test quick; hang_timeout_s stays above it (policy rule).
 # Storage commits only the last step (20): a storage commit racing the frozen node's last replica

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from tenax.orchestrator.presets import PRESETS
 from tenax.orchestrator.spec import JobSpec, plan_for_spec
 from tenax.parallel.config import ModelArgs, MoEArgs
-from tenax.parallel.planner import PlanError, PlanResult, plan_layout
+from tenax.parallel.errors import PlanError
+from tenax.parallel.planner import Cluster, PlanOptions, PlanResult, plan_layout
 
 REASON = re.compile(r"^(slower: .+ s vs .+ s \(more .+\)|does not fit: [\d.]+ GiB > [\d.]+ GiB|"
                     r"tie at .+)$")
@@ -44,7 +45,7 @@ def check_plan(result: PlanResult, model: ModelArgs, gpus: int, gpus_per_node: i
 
 def test_llama3_8b_on_one_node_uses_data_parallel_sharding() -> None:
     model = preset("llama3-8b")
-    result = plan_layout(model, 8, 8, global_batch_size=32, seq_len=8192)
+    result = plan_layout(model, Cluster(8, 8), PlanOptions(global_batch_size=32, seq_len=8192))
     check_plan(result, model, 8, 8)
     assert result.layout.pp == 1 and result.layout.tp <= 2
     assert result.request["global_batch_size"] == 32
@@ -52,7 +53,7 @@ def test_llama3_8b_on_one_node_uses_data_parallel_sharding() -> None:
 
 def test_llama3_70b_keeps_tp_inside_a_node() -> None:
     model = preset("llama3-70b")
-    result = plan_layout(model, 64, 8)
+    result = plan_layout(model, Cluster(64, 8))
     check_plan(result, model, 64, 8)
     assert not result.layout.crosses_nodes("tp", 8)
 
@@ -60,7 +61,7 @@ def test_llama3_70b_keeps_tp_inside_a_node() -> None:
 def test_llama3_405b_on_512_gpus_needs_sharding_or_pipelining() -> None:
     model = preset("llama3-405b")
     start = time.perf_counter()
-    result = plan_layout(model, 512, 8)
+    result = plan_layout(model, Cluster(512, 8))
     elapsed = time.perf_counter() - start
     print(f"\n405b on 512 GPUs planned in {elapsed:.3f} s: {result.layout.describe()}")
     check_plan(result, model, 512, 8)
@@ -70,7 +71,7 @@ def test_llama3_405b_on_512_gpus_needs_sharding_or_pipelining() -> None:
 def test_405b_with_zero1_pinned_falls_back_to_pipelines() -> None:
     model = preset("llama3-405b")
     start = time.perf_counter()
-    result = plan_layout(model, 512, 8, fixed={"zero": 1})
+    result = plan_layout(model, Cluster(512, 8), PlanOptions(fixed={"zero": 1}))
     print(f"\n405b/512 with pipelines searched: {time.perf_counter() - start:.3f} s")
     check_plan(result, model, 512, 8)
     assert result.layout.zero == 1 and result.layout.pp > 1
@@ -78,7 +79,7 @@ def test_405b_with_zero1_pinned_falls_back_to_pipelines() -> None:
 
 def test_tiny_model_on_four_cpu_ranks_is_pure_data_parallel() -> None:
     model = ModelArgs()
-    result = plan_layout(model, 4, 4, global_batch_size=32)
+    result = plan_layout(model, Cluster(4, 4), PlanOptions(global_batch_size=32))
     check_plan(result, model, 4, 4)
     assert result.layout.degrees() == {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}
 
@@ -92,11 +93,11 @@ def test_default_spec_on_two_nodes_of_two() -> None:
 
 def test_six_gpus_after_a_failure() -> None:
     model = ModelArgs()
-    result = plan_layout(model, 6, 2, global_batch_size=24)
+    result = plan_layout(model, Cluster(6, 2), PlanOptions(global_batch_size=24))
     check_plan(result, model, 6, 2)
     assert result.layout.world_size == 6
     # 32 sequences cannot split 6 ways: the planner must find another factorisation
-    result = plan_layout(model, 6, 2, global_batch_size=32)
+    result = plan_layout(model, Cluster(6, 2), PlanOptions(global_batch_size=32))
     check_plan(result, model, 6, 2)
     assert 32 % (result.layout.dp * result.layout.micro_batch_size) == 0
 
@@ -108,7 +109,8 @@ def test_six_gpus_with_a_spec_that_pins_everything_but_dp_fails_clearly() -> Non
 
 def test_pinned_degrees_are_honored() -> None:
     model = preset("llama3-8b")
-    result = plan_layout(model, 16, 8, fixed={"tp": 2, "zero": 3, "dp": "auto"})
+    result = plan_layout(model, Cluster(16, 8),
+                         PlanOptions(fixed={"tp": 2, "zero": 3, "dp": "auto"}))
     check_plan(result, model, 16, 8)
     assert result.layout.tp == 2 and result.layout.zero == 3
     spec = JobSpec.model_validate({"model": PRESETS["llama3-8b"],
@@ -131,7 +133,7 @@ def test_spec_zero_is_free_while_dp_is_auto() -> None:
 
 def test_pinned_pipeline_keeps_four_micro_batches_per_stage() -> None:
     model = ModelArgs()
-    result = plan_layout(model, 8, 8, global_batch_size=32, fixed={"pp": 4})
+    result = plan_layout(model, Cluster(8, 8), PlanOptions(global_batch_size=32, fixed={"pp": 4}))
     check_plan(result, model, 8, 8)
     assert result.layout.pp == 4 and result.best.microbatches >= 16
     assert result.best.warnings == ()
@@ -140,39 +142,39 @@ def test_pinned_pipeline_keeps_four_micro_batches_per_stage() -> None:
 def test_pinned_pipeline_with_few_micro_batches_runs_and_names_the_bubble() -> None:
     """pp=2 with 4 micro-batches used to fail with "no layout ... fits"; it runs and warns."""
     model = ModelArgs()
-    result = plan_layout(model, 2, 2, global_batch_size=4, fixed={"pp": 2, "micro_batch_size": 1,
-                                                                  "pp_schedule": "1f1b"})
+    result = plan_layout(model, Cluster(2, 2), PlanOptions(
+        global_batch_size=4, fixed={"pp": 2, "micro_batch_size": 1, "pp_schedule": "1f1b"}))
     assert result.layout.pp == 2 and result.best.microbatches == 4
     assert result.best.warnings == ("pipeline bubble 20% with 4 micro-batches; 8 would give 11% "
                                     "(raise train.global_batch_size or lower micro_batch_size)",)
     assert result.to_dict()["warnings"] == list(result.best.warnings)
     with pytest.raises(PlanError, match="no valid layout of 3 GPUs") as err:
-        plan_layout(model, 3, 4, fixed={"tp": 3})
+        plan_layout(model, Cluster(3, 4), PlanOptions(fixed={"tp": 3}))
     assert "fits" not in str(err.value)  # memory is not the problem: do not say it is
 
 
 def test_nothing_fits_names_the_smallest_need() -> None:
     with pytest.raises(PlanError, match=r"smallest need found is [\d.]+ GiB") as err:
-        plan_layout(preset("llama3-405b"), 8, 8)
+        plan_layout(preset("llama3-405b"), Cluster(8, 8))
     assert "72.0 GiB per GPU" in str(err.value) and "406B-parameter" in str(err.value)
 
 
 def test_no_valid_layout_and_bad_arguments_are_clear() -> None:
     with pytest.raises(PlanError, match="parallel.tp: N does not divide model.n_heads"):
-        plan_layout(ModelArgs(), 3, 4, fixed={"tp": 3})
+        plan_layout(ModelArgs(), Cluster(3, 4), PlanOptions(fixed={"tp": 3}))
     with pytest.raises(PlanError, match="tp=4 must divide 8 GPUs and stay inside a 2-GPU node"):
-        plan_layout(ModelArgs(), 8, 2, fixed={"tp": 4})
+        plan_layout(ModelArgs(), Cluster(8, 2), PlanOptions(fixed={"tp": 4}))
     with pytest.raises(PlanError, match="cannot multiply to 2"):
-        plan_layout(ModelArgs(), 2, 2, fixed={"tp": 2, "cp": 2})
+        plan_layout(ModelArgs(), Cluster(2, 2), PlanOptions(fixed={"tp": 2, "cp": 2}))
     with pytest.raises(PlanError, match="unknown: \\['tpp'\\]"):
-        plan_layout(ModelArgs(), 4, 4, fixed={"tpp": 2})
+        plan_layout(ModelArgs(), Cluster(4, 4), PlanOptions(fixed={"tpp": 2}))
     with pytest.raises(PlanError, match="'gpus': 0"):
-        plan_layout(ModelArgs(), 0, 4)
+        plan_layout(ModelArgs(), Cluster(0, 4))
 
 
 def test_runners_up_explain_why_they_lost() -> None:
     model = preset("llama3-70b")
-    result = plan_layout(model, 64, 8)
+    result = plan_layout(model, Cluster(64, 8))
     assert result.runners_up
     for runner in result.runners_up:
         assert REASON.match(runner.reason), runner.reason
@@ -186,20 +188,22 @@ def test_runners_up_explain_why_they_lost() -> None:
 
 
 def test_rejections_are_counted_by_reason() -> None:
-    result = plan_layout(preset("llama3-8b"), 8, 8, global_batch_size=32, gpu_mem_gib=40)
+    result = plan_layout(preset("llama3-8b"), Cluster(8, 8, gpu_mem_gib=40),
+                         PlanOptions(global_batch_size=32))
     assert result.rejected.get("does not fit in memory", 0) > 0
     assert result.considered >= 1
 
 
 def test_plans_are_deterministic() -> None:
     model = preset("llama3-70b")
-    assert plan_layout(model, 32, 8).to_dict() == plan_layout(model, 32, 8).to_dict()
+    cluster = Cluster(32, 8)
+    assert plan_layout(model, cluster).to_dict() == plan_layout(model, cluster).to_dict()
 
 
 def test_moe_model_may_use_expert_parallelism() -> None:
     model = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256,
                       ffn_hidden=1024, moe=MoEArgs(num_experts=8, top_k=2))
-    result = plan_layout(model, 8, 4, global_batch_size=32)
+    result = plan_layout(model, Cluster(8, 4), PlanOptions(global_batch_size=32))
     check_plan(result, model, 8, 4)
     assert 8 % result.layout.ep == 0
 
@@ -224,7 +228,8 @@ def small_models(draw: st.DrawFn) -> ModelArgs:
 def test_any_returned_layout_is_valid(model: ModelArgs, gpus: int, gpn: int, gbs: int,
                                       mem: float) -> None:
     try:
-        result = plan_layout(model, gpus, gpn, gpu_mem_gib=mem, global_batch_size=gbs)
+        result = plan_layout(model, Cluster(gpus, gpn, gpu_mem_gib=mem),
+                             PlanOptions(global_batch_size=gbs))
     except PlanError as err:
         # "no layout fits" only when memory was the problem, else "no valid layout": the reason
         assert str(err).startswith((f"no layout of {gpus} GPUs", f"no valid layout of {gpus} GPUs"))

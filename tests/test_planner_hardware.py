@@ -9,7 +9,7 @@ from tenax.orchestrator.cli.main import main as cli_main
 from tenax.parallel.config import ModelArgs
 from tenax.parallel.cost_model import train_flops_per_token
 from tenax.parallel.hardware import GPUS, gpu_from_device_name, gpu_model, planner_options
-from tenax.parallel.planner import plan_layout
+from tenax.parallel.planner import Cluster, plan_layout
 from tenax.workers.presets import PRESETS
 
 
@@ -65,7 +65,8 @@ def test_gpu_choice_and_overrides_change_the_prediction(capsys) -> None:
 
 def test_planner_options_feed_plan_layout() -> None:
     model = ModelArgs(**{k: v for k, v in PRESETS["llama3-8b"].items() if k != "moe"})
-    result = plan_layout(model, 8, 8, GPUS["a100"].hbm_gib, **planner_options(GPUS["a100"]))
+    a100 = GPUS["a100"]
+    result = plan_layout(model, Cluster(8, 8, a100.hbm_gib, **planner_options(a100)))
     assert result.best.peak_flops == 8 * 312e12
     assert result.to_dict()["hardware"]["name"] == "a100"
     assert result.best.mfu == pytest.approx(result.best.flops_per_step / result.best.time.total_s

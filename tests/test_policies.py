@@ -9,18 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from tenax.orchestrator.chaos.faults import ChaosError, ChaosEvent, parse_chaos, validate_for_job
+from tenax.orchestrator.chaos.faults import ChaosEvent, parse_chaos, validate_for_job
+from tenax.orchestrator.errors import ChaosError
 from tenax.orchestrator.job.health import StragglerFlag
-from tenax.orchestrator.job.job_policy import (Action, Capacity, EvictionPolicy, FailurePolicy,
+from tenax.orchestrator.job.job_policy import (Capacity, EvictionPolicy, FailurePolicy, JobAction,
                                                JobSnapshot, Limits, NodeLossPolicy, ScalingPolicy,
                                                decide)
 from tenax.orchestrator.job.states import (DEADLINES, TRANSITIONS, JobState, next_state,
                                            state_diagram)
 from tenax.orchestrator.placement.worker_group import RankHealth
 from tenax.orchestrator.spec import load_spec
+from tenax.orchestrator.timeouts import Timeouts
 
-LIMITS = Limits(max_restarts=3, heartbeat_timeout_s=5.0, hang_timeout_s=30.0, gpus_per_node=2,
-                min_nodes=1, max_nodes=4)
+LIMITS = Limits(max_restarts=3, gpus_per_node=2, min_nodes=1, max_nodes=4,
+                timeouts=Timeouts(heartbeat_timeout_s=5.0, hang_timeout_s=30.0))
 
 
 def rank(r: int, **kw) -> RankHealth:
@@ -35,36 +37,36 @@ def snap(*ranks: RankHealth, restarts: int = 0, max_restarts: int = 3, **kw) -> 
 
 def test_healthy_continues_and_all_done_succeeds():
     policy = FailurePolicy()
-    assert policy.make_decision(snap(rank(0), rank(1))).action == Action.CONTINUE
+    assert policy.make_decision(snap(rank(0), rank(1))).action == JobAction.CONTINUE
     done = policy.make_decision(snap(rank(0, state="done"), rank(1, state="done")))
-    assert done.action == Action.SUCCEED
+    assert done.action == JobAction.SUCCEED
 
 
 def test_root_cause_first_over_collateral_errors():
     d = FailurePolicy().make_decision(snap(
         rank(0, state="failed", error="RuntimeError: Connection reset by peer"),
         rank(1, dead="ActorDiedError: killed")))
-    assert d.action == Action.RESTART
+    assert d.action == JobAction.RESTART
     assert d.failed_ranks == (1, 0) and d.cause_kind == "dead"
     assert d.reason.startswith("rank 1 died")
 
 
 def test_heartbeat_timeout_and_hang():
     d = FailurePolicy().make_decision(snap(rank(0), rank(1, heartbeat_age_s=5.5)))
-    assert (d.action, d.cause_kind, d.failed_ranks) == (Action.RESTART, "heartbeat", (1,))
+    assert (d.action, d.cause_kind, d.failed_ranks) == (JobAction.RESTART, "heartbeat", (1,))
     assert "heartbeat_timeout_s=5.0" in d.reason
     d = FailurePolicy().make_decision(snap(rank(0, step_age_s=31.0), rank(1)))
     assert (d.cause_kind, d.failed_ranks) == ("hang", (0,))
     # starting ranks get twice the hang timeout (checkpoint loading)
     ok = FailurePolicy().make_decision(snap(rank(0, state="starting", step_age_s=50.0)))
-    assert ok.action == Action.CONTINUE
+    assert ok.action == JobAction.CONTINUE
     stuck = FailurePolicy().make_decision(snap(rank(0, state="starting", step_age_s=61.0)))
     assert stuck.cause_kind == "hang"
 
 
 def test_max_restarts_exhausted_fails_with_cause():
     d = FailurePolicy().make_decision(snap(rank(0, dead="gone"), restarts=3, max_restarts=3))
-    assert d.action == Action.FAIL
+    assert d.action == JobAction.FAIL
     assert "rank 0 died (gone)" in d.reason and "max_restarts=3 exhausted" in d.reason
 
 
@@ -77,22 +79,22 @@ def test_max_restarts_is_read_only_by_the_policies():
 
 # ---- decide(): one row per (state, facts) ------------------------------------------------------
 RUNNING_ROWS = [
-    ("healthy", [rank(0), rank(1)], {}, Action.CONTINUE),
-    ("all done", [rank(0, state="done"), rank(1, state="done")], {}, Action.SUCCEED),
-    ("one done, one training", [rank(0, state="done"), rank(1)], {}, Action.CONTINUE),
-    ("killed rank", [rank(0), rank(1, dead="ActorDiedError")], {}, Action.RESTART),
+    ("healthy", [rank(0), rank(1)], {}, JobAction.CONTINUE),
+    ("all done", [rank(0, state="done"), rank(1, state="done")], {}, JobAction.SUCCEED),
+    ("one done, one training", [rank(0, state="done"), rank(1)], {}, JobAction.CONTINUE),
+    ("killed rank", [rank(0), rank(1, dead="ActorDiedError")], {}, JobAction.RESTART),
     ("failed rank, restarts spent", [rank(0), rank(1, state="failed", error="x")],
-     {"restarts": 3}, Action.FAIL),
-    ("stopped without a request", [rank(0, state="stopped"), rank(1)], {}, Action.RESTART),
+     {"restarts": 3}, JobAction.FAIL),
+    ("stopped without a request", [rank(0, state="stopped"), rank(1)], {}, JobAction.RESTART),
     ("target moved up, capacity there", [rank(0), rank(1)],
-     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 2}, Action.RESCALE),
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 2}, JobAction.RESCALE),
     ("target moved, capacity not checked", [rank(0), rank(1)],
-     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 0}, Action.CONTINUE),
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 0}, JobAction.CONTINUE),
     ("target up, no node to grow on", [rank(0), rank(1)],
-     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 1}, Action.CONTINUE),
+     {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 1}, JobAction.CONTINUE),
     ("scale down", [rank(0), rank(1), rank(2), rank(3)],
-     {"target_nodes": 1, "current_nodes": 2, "capacity_nodes": 2}, Action.RESCALE),
-    ("cancel wins over a failure", [rank(0, dead="x")], {"cancel_requested": True}, Action.CANCEL),
+     {"target_nodes": 1, "current_nodes": 2, "capacity_nodes": 2}, JobAction.RESCALE),
+    ("cancel wins over a failure", [rank(0, dead="x")], {"cancel_requested": True}, JobAction.CANCEL),
 ]
 
 
@@ -105,20 +107,20 @@ def test_running_decisions(name, ranks, kw, action):
 def test_pending_submits_and_every_state_can_be_cancelled():
     assert decide(snap(state="PENDING", target_nodes=2)).reason == "submitted: target 2 node(s) x 2 GPUs"
     for state in TRANSITIONS:
-        assert decide(snap(rank(0), state=state.value, cancel_requested=True)).action == Action.CANCEL
+        assert decide(snap(rank(0), state=state.value, cancel_requested=True)).action == JobAction.CANCEL
 
 
 RESCALING_ROWS = [
-    ("all stopped", ["stopped", "stopped"], {}, Action.REPLAN),
-    ("stopped and done", ["stopped", "done"], {}, Action.REPLAN),
-    ("all finished the last step", ["done", "done"], {}, Action.SUCCEED),
-    ("one still training", ["stopped", "training"], {}, Action.CONTINUE),
-    ("one failed while stopping", ["stopped", "failed"], {}, Action.RESTART),
-    ("one gone", ["stopped", "gone"], {}, Action.RESTART),
+    ("all stopped", ["stopped", "stopped"], {}, JobAction.REPLAN),
+    ("stopped and done", ["stopped", "done"], {}, JobAction.REPLAN),
+    ("all finished the last step", ["done", "done"], {}, JobAction.SUCCEED),
+    ("one still training", ["stopped", "training"], {}, JobAction.CONTINUE),
+    ("one failed while stopping", ["stopped", "failed"], {}, JobAction.RESTART),
+    ("one gone", ["stopped", "gone"], {}, JobAction.RESTART),
     ("one never stopped, deadline passed", ["stopped", "training"], {"state_age_s": 61.0},
-     Action.RESTART),
+     JobAction.RESTART),
     ("deadline passed, restarts spent", ["training", "training"],
-     {"state_age_s": 61.0, "restarts": 3}, Action.FAIL),
+     {"state_age_s": 61.0, "restarts": 3}, JobAction.FAIL),
 ]
 
 
@@ -148,21 +150,21 @@ def test_rescaling_decisions(name, states, kw, action):
 def test_every_rank_end_state_ends_every_wait(state, end):
     """Whatever way every rank ended, no state keeps waiting (CONTINUE) for it."""
     d = decide(snap(*_ranks([end, end]), state=state, state_deadline_s=60.0))
-    assert d.action != Action.CONTINUE, d.reason
+    assert d.action != JobAction.CONTINUE, d.reason
 
 
 def test_eviction_takes_the_straggler_node_block_unless_it_would_stop_the_job():
     ranks = [rank(0), rank(1), rank(2), rank(3)]
     flag = (StragglerFlag(3, 0.61, "evict"),)
     d = decide(snap(*ranks, state="RUNNING", stragglers=flag, capacity_nodes=2))
-    assert (d.action, d.cause_kind, d.failed_ranks) == (Action.RESTART, "straggler", (3, 2))
+    assert (d.action, d.cause_kind, d.failed_ranks) == (JobAction.RESTART, "straggler", (3, 2))
     assert d.lost_nodes == (("n1", 2),) and "rank 3" in d.reason and "0.61" in d.reason
     assert EvictionPolicy().make_decision(snap(*ranks, stragglers=flag, capacity_nodes=1)) is None
     assert EvictionPolicy().make_decision(snap(*ranks, stragglers=flag, capacity_nodes=2,
                                                restarts=3)) is None
     alert = (StragglerFlag(3, 0.61, "alert"),)
     assert decide(snap(*ranks, state="RUNNING", stragglers=alert, capacity_nodes=2,
-                       current_nodes=2, target_nodes=2)).action == Action.CONTINUE
+                       current_nodes=2, target_nodes=2)).action == JobAction.CONTINUE
 
 
 def _recovering(ranks, failed, **kw) -> JobSnapshot:
@@ -175,14 +177,14 @@ def test_node_loss_probes_every_suspect_at_once_and_waits_only_until_the_deadlin
     s = _recovering(ranks, (2, 3))
     assert NodeLossPolicy().suspects(s) == ("n0", "n1")  # every node of the group, at once
     waiting = _recovering(ranks, (2, 3), probed=("n1",), state_age_s=1.0)
-    assert decide(waiting).action == Action.CONTINUE
+    assert decide(waiting).action == JobAction.CONTINUE
     answered = decide(_recovering(ranks, (2, 3), probed=("n1",), answered=("n1",)))
-    assert (answered.action, answered.lost_nodes) == (Action.REPLAN, ())
+    assert (answered.action, answered.lost_nodes) == (JobAction.REPLAN, ())
     assert answered.reason.startswith("restart 1/3 after: rank 2 died")
     late = decide(_recovering(ranks, (2, 3), probed=("n1",), state_age_s=5.5))
     assert late.lost_nodes == (("n1", 2),)
     refused = decide(_recovering(ranks, (2, 3), probed=("n1",), refused=("n1",), state_age_s=0.1))
-    assert (refused.action, refused.lost_nodes) == (Action.REPLAN, (("n1", 2),))
+    assert (refused.action, refused.lost_nodes) == (JobAction.REPLAN, (("n1", 2),))
 
 
 def test_a_block_not_seen_failing_is_probed_but_lost_only_on_proof():
@@ -216,10 +218,10 @@ def test_a_frozen_node_whose_ranks_cross_the_timeout_a_poll_apart_is_lost_withou
     assert NodeLossPolicy().suspects(start) == ("n0", "n1")  # not certain yet: probed
     soon = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0",),
                               state_age_s=0.5))
-    assert (soon.action, soon.lost_nodes) == (Action.REPLAN, (("n1", 2),))  # before the deadline
+    assert (soon.action, soon.lost_nodes) == (JobAction.REPLAN, (("n1", 2),))  # before the deadline
     early = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0",),
                                state_age_s=0.2))
-    assert early.action == Action.CONTINUE  # rank 3 silent 4.8 s of 5: not yet
+    assert early.action == JobAction.CONTINUE  # rank 3 silent 4.8 s of 5: not yet
     alive = decide(_recovering(frozen, (2,), probed=("n0", "n1"), answered=("n0", "n1"),
                                state_age_s=0.5))
     assert alive.lost_nodes == ()  # its node answered: a live node is never silent
@@ -237,11 +239,11 @@ def test_table_gives_every_state_a_deadline_and_a_way_out():
             assert state not in TRANSITIONS and state not in DEADLINES
             continue
         moves = TRANSITIONS[state]
-        assert moves[Action.CANCEL] == JobState.CANCELLED
-        assert any(target != state for action, target in moves.items() if action != Action.CANCEL)
+        assert moves[JobAction.CANCEL] == JobState.CANCELLED
+        assert any(target != state for action, target in moves.items() if action != JobAction.CANCEL)
         deadline = DEADLINES[state]
-        assert hasattr(spec.fault_tolerance, deadline.field) and deadline.way_out
-        assert deadline.seconds(spec.fault_tolerance) < float("inf")
+        assert deadline.way_out
+        assert 0.0 <= deadline.seconds(Timeouts.from_spec(spec)) < float("inf")
 
 
 def test_controller_docstring_diagram_is_the_table():
@@ -253,9 +255,9 @@ def test_controller_docstring_diagram_is_the_table():
 
 
 def test_next_state_refuses_a_pair_the_table_does_not_have():
-    assert next_state(JobState.RESCALING, Action.REPLAN) == JobState.PLACING
+    assert next_state(JobState.RESCALING, JobAction.REPLAN) == JobState.PLACING
     with pytest.raises(ValueError, match="'rescale' is not allowed in state RECOVERING"):
-        next_state(JobState.RECOVERING, Action.RESCALE)
+        next_state(JobState.RECOVERING, JobAction.RESCALE)
 
 
 def test_scaling_uses_available_nodes_within_bounds():
@@ -312,7 +314,7 @@ class _Doors:
     """The entry points a chaos driver may use, recording what it asked for."""
 
     def __init__(self) -> None:
-        self.calls, self.subscribers, self.ledger = [], [], "ledger"
+        self.calls, self.subscribers = [], []
         self.spec = load_spec(overrides=["resources.max_nodes=2"])
 
     def subscribe(self, callback) -> None:

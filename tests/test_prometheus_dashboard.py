@@ -189,6 +189,7 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\btenax_[a-z0-9_]+", expr))
 
 
+@pytest.mark.slow  # a real Prometheus scraping a real `tenax run`
 def test_dashboard_and_alert_queries_run_against_real_prometheus(prometheus: str) -> None:
     url = prometheus
     # Enough history for rate()/increase() windows, with the job running and scored.
@@ -224,6 +225,7 @@ def test_dashboard_and_alert_queries_run_against_real_prometheus(prometheus: str
         assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
 
 
+@pytest.mark.slow  # a real `tenax run`
 def test_sigterm_stops_tenax_run_like_ctrl_c(tenax_job: RunningJob) -> None:
     """What a batch scheduler sends: the workers stop, the job ends CANCELLED, the embedded
     Ray goes with it (default SIGTERM killed the driver and left them behind). Runs after the

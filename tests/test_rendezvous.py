@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from tenax.workers.launch import free_port, wait_for_store
+from tenax.workers.rendezvous import free_port, wait_for_store
 
 
 def test_wait_for_store_gives_up_when_nothing_listens():

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from tenax.checkpoint.memory.snapshot_store import (SNAPSHOT_ENV, SnapshotDir, SnapshotError,
-                                                    SnapshotStamp, crc32c_of)
+from tenax.checkpoint.errors import SnapshotError
+from tenax.checkpoint.memory.snapshot_store import (SNAPSHOT_ENV, SnapshotDir, SnapshotStamp,
+                                                    crc32c_of)
 from tenax.workers.replica_stream import (CRC_STRETCH, MAGIC, Endpoint, recv_checksummed,
                                           send_snapshot)
 from tenax.workers.snapshot_keeper import SnapshotKeeper

@@ -113,6 +113,7 @@ def _valid_layouts() -> list[dict]:
 VALID = _valid_layouts()
 
 
+@pytest.mark.slow  # four reshards of random layout pairs: ~10 s
 @settings(max_examples=4, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pair=st.tuples(st.sampled_from(VALID), st.sampled_from(VALID)).filter(

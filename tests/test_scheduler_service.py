@@ -10,8 +10,6 @@ losses; a preemptible job is stopped at a checkpoint and requeued; the queue sur
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import urllib.request
 from typing import Any
 
@@ -19,28 +17,21 @@ import grpc
 import pytest
 
 from tenax.orchestrator.spec import load_spec
-from tenax.v1 import jobs_pb2 as pb
-from tests.ray_helpers import ray_env, reference_losses
-from tests.service_helpers import (ServerProcess, code_of, job_overrides, of, run_cli, states, stub,
-                                   submit, wait_until, watch)
+from tenax.testing.clusters import start_cluster
+from tenax.testing.jobs import job_overrides, reference_losses
+from tenax.proto import jobs_pb2 as pb
+from tests.service_helpers import (ServerProcess, code_of, of, run_cli, states, stub, submit,
+                                   wait_until, watch)
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 WHOLE = ["resources.nodes=2", "resources.gpus_per_node=2", "resources.min_nodes=2"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
-    ray_env()
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tenax-sched-")
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "num_gpus": 0, "node_ip_address": "127.0.0.1"})
-    for _ in range(2):
-        c.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
-    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
-    c.wait_for_nodes()
+    c, _ = start_cluster(2, head_cpus=2)
     yield c
     ray.shutdown()
     c.shutdown()

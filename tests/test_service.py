@@ -21,10 +21,11 @@ from importlib.metadata import version
 import grpc
 import pytest
 
-from tenax.v1 import jobs_pb2 as pb
+from tenax.testing.jobs import job_overrides
+from tenax.proto import jobs_pb2 as pb
 from tests.service_helpers import (REPO, ServerProcess, auth, bad_rpcs, bad_specs, code_of,
-                                   fuzz_call, job_overrides, of, pids_mentioning, run_cli, states,
-                                   stub, submit, wait_until, watch)
+                                   fuzz_call, of, pids_mentioning, run_cli, states, stub, submit,
+                                   wait_until, watch)
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "t0ken-for-tests"
@@ -52,7 +53,7 @@ def test_generated_modules_match_the_proto(tmp_path):
 def ray_address():
     import ray
 
-    from tests.ray_helpers import start_local_ray
+    from tenax.testing.clusters import start_local_ray
 
     start_local_ray(gpus=4)
     yield ray.get_runtime_context().gcs_address
@@ -95,6 +96,7 @@ def clean(server):
     return job_id, watch(s, MD, job_id, timeout_s=180)
 
 
+@pytest.mark.slow
 def test_submit_then_watch_to_succeeded_and_replay_history(server, clean):
     s, (job_id, events) = server["stub"], clean
     assert states(events) == ["PLACING", "RUNNING", "SUCCEEDED"]
@@ -121,6 +123,7 @@ def test_submit_then_watch_to_succeeded_and_replay_history(server, clean):
     assert f'tenax_job_step{{job="{job_id}"}} 40.0' in scrape
 
 
+@pytest.mark.slow
 def test_scale_a_running_job_and_see_the_new_layout(server):
     s = server["stub"]
     job_id = submit(s, MD, job_overrides(server["tmp"], "scale", [
@@ -141,6 +144,7 @@ def test_scale_a_running_job_and_see_the_new_layout(server):
     assert states(events)[-1] == "SUCCEEDED"
 
 
+@pytest.mark.slow
 def test_cancel_a_running_job_and_refuse_its_checkpoint_uri_meanwhile(server):
     s = server["stub"]
     overrides = job_overrides(server["tmp"], "cancel", [
@@ -158,6 +162,7 @@ def test_cancel_a_running_job_and_refuse_its_checkpoint_uri_meanwhile(server):
     assert code == PRECONDITION
 
 
+@pytest.mark.slow
 def test_auth_health_and_reflection(server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -182,9 +187,11 @@ def test_auth_health_and_reflection(server):
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a test cert")
 def test_tls_with_a_self_signed_certificate(server, tmp_path):
-    from tenax.orchestrator.cli.client import Client, RpcFailed
+    from tenax.orchestrator.cli.client import Client
+    from tenax.orchestrator.errors import RpcFailed
     from tenax.orchestrator.service.server import JobServer, ServerOptions
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -206,6 +213,7 @@ def test_tls_with_a_self_signed_certificate(server, tmp_path):
         tls.server.stop(1.0).wait(10)
 
 
+@pytest.mark.slow
 def test_bad_input_names_the_field_and_unknown_jobs_are_not_found(server):
     s = server["stub"]
     cases = [("{}", ["parallel.tp=3"], "parallel.tp"),
@@ -230,6 +238,7 @@ def test_bad_input_names_the_field_and_unknown_jobs_are_not_found(server):
         assert code_of(lambda: call(""))[0] == INVALID
 
 
+@pytest.mark.slow
 def test_fuzzed_specs_and_rpcs_always_get_an_error_status(server):
     """>= 1000 malformed specs and RPCs: each answers an error status within its deadline
     (DEADLINE_EXCEEDED, UNKNOWN or a dropped server would fail), and no job is created."""
@@ -259,6 +268,7 @@ def test_fuzzed_specs_and_rpcs_always_get_an_error_status(server):
     assert len(s.ListJobs(pb.ListJobsRequest(), timeout=10, metadata=MD).jobs) == before
 
 
+@pytest.mark.slow
 def test_cli_client_against_the_server(server, tmp_path):
     base = ["--server", f"127.0.0.1:{server['port']}"]
     env = {"TENAX_TOKEN": TOKEN}
@@ -293,6 +303,7 @@ def test_cli_client_against_the_server(server, tmp_path):
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr
 
 
+@pytest.mark.slow
 def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address, clean,
                                                                      tmp_path):
     """SIGKILL mid-job, restart on the same state dir (and port): the job finishes from its
@@ -335,6 +346,7 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
     assert [json.loads(line)["seq"] for line in out.splitlines()] == [e["seq"] for e in events]
 
 
+@pytest.mark.slow
 def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path):
     private = tempfile.mkdtemp(prefix="tx-", dir="/tmp")  # short: Ray's socket paths
     state = tmp_path / "state"

@@ -7,11 +7,11 @@ import signal
 import pytest
 import torch
 
+from tenax.checkpoint.errors import SnapshotError
 from tenax.checkpoint.format.catalog import Catalog, version_name
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.memory.restore import assemble_version
-from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
-                                                    crc32c_of)
+from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
 from tenax.orchestrator.placement.recovery_policy import SnapshotPiece, choose_recovery_source
 from tests.distributed import rank_context, run_ranks
 from tests.snapshot_jobs import (handed_plan_job, load_both_job, not_ready_job, reused_plan_job,
@@ -149,10 +149,10 @@ def test_snapshots_wait_for_the_replica_so_every_node_keeps_its_step(tmp_path):
     """With a peer, a new snapshot is taken only once the agent sent the last one: the step a
     replica holds is then still in every rank's double buffer (complete across nodes)."""
     from tenax.checkpoint.memory.snapshot import MemorySnapshotter
-    from tests.ckpt_jobs import DictState, ckpt_spec
+    from tests.ckpt_jobs import DictState, ckpt_config
 
     state, store = DictState(), SnapshotDir(str(tmp_path))
-    snaps = MemorySnapshotter(ckpt_spec(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
+    snaps = MemorySnapshotter(ckpt_config(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
                               3, lambda ok: ok, replicated=True)
     taken = []
     for step in range(1, 7):
@@ -173,14 +173,14 @@ def test_a_rank_maps_its_two_buffers_once_and_unmaps_them_at_close(tmp_path):
     """The copying thread writes through mappings it keeps (checkpoint/memory/buffer_maps.py): the
     same two buffers step after step, nothing of a rewritten or closed one left mapped."""
     from tenax.checkpoint.memory.snapshot import MemorySnapshotter
-    from tests.ckpt_jobs import DictState, ckpt_spec
+    from tests.ckpt_jobs import DictState, ckpt_config
 
     def mapped() -> list[str]:
         with open("/proc/self/maps") as f:
             return [line.split()[-1] for line in f if str(tmp_path) in line]
 
     state, store = DictState(numel=200_003), SnapshotDir(str(tmp_path))  # > 3 copy chunks
-    snaps = MemorySnapshotter(ckpt_spec(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
+    snaps = MemorySnapshotter(ckpt_config(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
                               3, lambda ok: ok)
     for step in range(1, 6):
         state.train()
@@ -225,7 +225,8 @@ def test_a_plan_handed_to_a_restarted_process_is_reused_only_from_one_round(tmp_
 
 
 def test_a_handed_plan_of_another_rank_or_size_is_refused():
-    from tenax.checkpoint.save.plan_codec import PlanFormatError, decode_plan, encode_plan
+    from tenax.checkpoint.errors import PlanFormatError
+    from tenax.checkpoint.save.plan_codec import decode_plan, encode_plan
     from tenax.checkpoint.save.planning import PlanCache
 
     blob = encode_plan(PlanCache([], [], [], "__1_0.distcp", 0, None, token=7), 1, 2)

@@ -31,7 +31,7 @@ fault_tolerance: {heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, hang_time
 # Keys Tenax added beyond DESIGN.md's example, with their defaults.
 ADDED_KEYS = {("fault_tolerance", "straggler_action"): "alert"}
 # Defaults Tenax changed from DESIGN.md's example, measured: the straggler bench's table
-# (README, Stragglers) picked 0.9.
+# (docs/operations.md, Stragglers) picked 0.9.
 CHANGED_DEFAULTS = {("fault_tolerance", "straggler_threshold"): 0.9}
 
 

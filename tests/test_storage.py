@@ -16,10 +16,11 @@ from typing import Iterator
 import fsspec
 import pytest
 
+from tenax.checkpoint.errors import StorageError, StorageNotFoundError, StorageTimeoutError
 from tenax.checkpoint.format import storage as storage_mod
 from tenax.checkpoint.format.catalog import Catalog
-from tenax.checkpoint.format.storage import (Storage, StorageError, StorageNotFoundError,
-                                             StorageTimeoutError, validate_relpath)
+from tenax.checkpoint.format.manifest import CommitInfo
+from tenax.checkpoint.format.storage import Storage, validate_relpath
 
 ESCAPES = [
     "..", "../x", "a/..", "a/../../b", "a/../b", "/abs", "/etc/passwd", "//x", "~/x", "~",
@@ -221,8 +222,8 @@ def test_catalog_commit_verify_on_s3(s3_options: dict) -> None:
     for step in (10, 20):
         cat.begin(step)
         s.write_bytes(f"step-{step:08d}/__0_0.distcp", b"w" * 1000 + bytes([step]))
-        cat.commit(step, layout={"dp": 1}, world_size=1, model_hash="h", data_cursor=step,
-                   seed=0, lr_step=step)
+        cat.commit(CommitInfo(step=step, layout={"dp": 1}, world_size=1, model_hash="h",
+                              data_cursor=step, seed=0, lr_step=step))
     s.write_bytes("step-00000030/__0_0.distcp", b"partial")  # an uncommitted leftover
     assert [(v.step, v.committed) for v in cat.versions()] == [(10, True), (20, True),
                                                                 (30, False)]

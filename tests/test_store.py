@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from tenax.orchestrator.service.store import JobStore, StoreError
+from tenax.orchestrator.errors import StoreError
+from tenax.orchestrator.service.store import JobStore
 
 
 def _spec(name: str = "job") -> str:

@@ -1,0 +1,37 @@
+"""tenax.workers — what runs on a job's GPUs (rank slots), and the job spec it runs from.
+
+- The job spec: the pydantic `JobSpec` and its sections, `load_spec`, `spec_from_dict`,
+  `parse_spec_text`, `apply_overrides`, `layout_from_spec`; model presets (`PRESETS`,
+  `preset_model`); `SpecError` (workers/errors.py: every exception of this layer).
+- The rank agent: `RankWorker`, the Ray actor that owns one rank slot and forks its training
+  process; `RankRun`, what it is told to start; `RankStatus`, what it reports.
+- The rank loop: `run_rank(RankOptions, RankHooks)` (workers/rank.py), the per-rank training
+  loop both the agents and the local launcher (workers/launch.py) run; `FaultHook`;
+  `MemoryOptions`, the in-memory snapshots the placement decided on.
+- Fault injection for drills: `ChaosEvent`, `RankChaos` (the one object a drill hands the
+  workers; None in production), `ChaosInjector`.
+- Events: `Event`, `stamp`, `human`, `layout_text`; `prepare_token_file` (the flat token file).
+
+Names resolve lazily (PEP 562): importing this package, or `tenax.workers.worker` in an agent,
+imports neither torch nor the modules behind names it does not use.
+"""
+from __future__ import annotations
+
+from tenax.faces import lazy_face
+
+_MODULES = {
+    "spec": ("JobSpec", "ModelSpec", "MoESpec", "ParallelSpec", "TrainSpec", "DataSpec",
+             "CheckpointSpec", "ResourcesSpec", "FaultToleranceSpec", "load_spec",
+             "spec_from_dict", "parse_spec_text", "apply_overrides", "layout_from_spec", "Degree",
+             "cross_field_problems", "format_validation_error"),
+    "data": ("prepare_token_file",),
+    "presets": ("PRESETS", "preset_model"),
+    "errors": ("SpecError",),
+    "worker": ("RankWorker", "RankRun", "RankStatus"),
+    "rank": ("RankOptions", "RankHooks", "FaultHook", "run_rank"),
+    "memory_options": ("MemoryOptions",),
+    "chaos_injector": ("ChaosEvent", "ChaosInjector", "RankChaos"),
+    "events": ("Event", "human", "layout_text", "stamp"),
+}
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -1,11 +1,13 @@
-"""The rank side of fault injection: the events a drill describes, and the injector that fires
-the ones aimed at this rank between steps.
+"""The rank side of fault injection: the events a drill describes, the one object a drill hands
+to the workers (`RankChaos`), and the injector that fires the faults aimed at a rank between
+its steps.
 
 It lives in workers/ because it runs inside a rank's training process and imports point one
-way (orchestrator -> workers); `tenax.orchestrator.chaos.faults` parses `--chaos` into these events and
-re-exports them. Each fault fires once per job, not once per attempt: a restart resumes from
-an earlier step and would otherwise meet the same `at=` again forever, so a rank claims an
-event (through the job's ledger) before injecting it.
+way (orchestrator -> workers); `tenax.orchestrator.chaos.faults` parses `--chaos` into these
+events and re-exports them. A job without a drill hands the workers no `RankChaos` at all
+(None): production ranks carry no fault-injection state. Each fault fires once per job, not
+once per attempt: a restart resumes from an earlier step and would otherwise meet the same
+`at=` again forever, so a rank claims an event (through the job's ledger) before injecting it.
 """
 from __future__ import annotations
 
@@ -45,8 +47,25 @@ class ChaosEvent:
         return self.rank == rank
 
 
+@dataclass(frozen=True)
+class RankChaos:
+    """What a drill hands every rank's agent (picklable; crosses Ray). None in production."""
+    events: tuple[dict[str, Any], ...]  # ChaosEvent.to_dict() of each fault of the drill
+    ledger: Any = None  # the job's ledger actor: a rank claims an event there before injecting
+    gpus_per_node: int = 1  # `node=k` targets the ranks [k*g, (k+1)*g)
+    head_node: str = ""  # the driver's node: a `kill node` drill never kills its raylet
+
+    def injector(self, rank: int, node_id: str, claim: Callable[[str], bool]) -> ChaosInjector:
+        """The fault hook of the training process of `rank`, placed on node `node_id`."""
+        return ChaosInjector(list(self.events), rank, self.gpus_per_node, claim,
+                             node_killable=node_id != self.head_node)
+
+
 class ChaosInjector:
-    """Runs inside a rank's training process, between steps: injects the faults aimed at it."""
+    """Runs inside a rank's training process, between steps: injects the faults aimed at it.
+
+    The rank loop's fault hook (workers/rank.py `FaultHook`): `before_step` when the rank is
+    about to run a step, `slow_factor` read before each step."""
 
     def __init__(self, events: list[dict[str, Any]], rank: int, gpus_per_node: int,
                  claim: Callable[[str], bool], node_killable: bool = False) -> None:

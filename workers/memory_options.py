@@ -2,9 +2,11 @@
 how the process begins from them.
 
 The agent (workers/worker.py) owns the snapshot directory, the newest save plan of the rank's
-previous process and the snapshot assembled for a restore; the rank (workers/launch.py) takes
+previous process and the snapshot assembled for a restore; the rank (workers/rank.py) takes
 the plan over, resumes from the assembled snapshot when every rank can read it (from storage
-otherwise), and takes per-step snapshots (checkpoint/memory/snapshot.py).
+otherwise), and takes the snapshots (checkpoint/memory/snapshot.py) its placement decided on:
+whether and every how many steps is decided once, where host memory is planned
+(orchestrator/placement/host_memory.py), and arrives here as `every_steps`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ logger = logging.getLogger(__name__)
 class MemoryOptions:
     """In-memory snapshots of one rank (set by its agent; picklable)."""
     snapshot_dir: str | None = None  # where this rank's snapshots go (None: off)
+    every_steps: int = 0  # the placement's decision: a snapshot every N steps (0: none)
     generation: int = 0  # the controller's placement counter: pieces of one generation combine
     restore_uri: str | None = None  # an assembled snapshot to resume from instead of storage
     on_snapshot: Callable[[dict[str, Any]], None] | None = None  # told when one is complete
@@ -26,9 +29,12 @@ class MemoryOptions:
     plan: str | None = None  # this rank's save plan from its previous process (plan_codec)
     on_plan: Callable[[str], None] | None = None  # told each new save plan (the agent keeps it)
 
+    def snapshot_due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
 
 def begin_rank(mgr: Any, trainer: Any, memory: MemoryOptions | None, resume: bool, rank: int,
-           world: int) -> tuple[int | None, str | None]:
+               world: int) -> tuple[int | None, str | None]:
     """Take over the previous process's save plan, then resume; with nothing to resume from,
     initialise the weights (a trainer built to resume is built without)."""
     if memory is not None:
@@ -41,8 +47,10 @@ def begin_rank(mgr: Any, trainer: Any, memory: MemoryOptions | None, resume: boo
 
 def hand_over_plans(plans: Any, memory: MemoryOptions, rank: int, world: int) -> None:
     """Adopt the save plan this rank's previous process left with the agent, and hand each new
-    one over for the next (checkpoint/save/plan_codec.py: a restart then skips ~0.1 s of planning)."""
-    from tenax.checkpoint.save.plan_codec import PlanFormatError, decode_plan, encode_plan
+    one over for the next (checkpoint/save/plan_codec.py: a restart then skips ~0.1 s of
+    planning)."""
+    from tenax.checkpoint import PlanFormatError
+    from tenax.checkpoint.save import decode_plan, encode_plan
 
     if memory.plan is not None:
         try:
@@ -55,20 +63,20 @@ def hand_over_plans(plans: Any, memory: MemoryOptions, rank: int, world: int) ->
 
 
 def snapshotter(spec: Any, mgr: Any, rank: int, world: int,
-                 memory: MemoryOptions | None) -> Any:
-    if memory is None or memory.snapshot_dir is None or spec.checkpoint.memory_every_steps <= 0:
+                memory: MemoryOptions | None) -> Any:
+    """This rank's MemorySnapshotter when its placement decided on snapshots; None otherwise."""
+    if memory is None or memory.snapshot_dir is None or memory.every_steps <= 0:
         return None
-    from tenax.checkpoint.collectives import all_ranks_agree
-    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
+    from tenax.checkpoint import MemorySnapshotter, all_ranks_agree
 
-    return MemorySnapshotter(spec, mgr.state, rank, world, memory.snapshot_dir,
+    return MemorySnapshotter(mgr.config, mgr.state, rank, world, memory.snapshot_dir,
                              memory.generation, all_ranks_agree, memory.on_snapshot,
                              memory.replicated, plans=mgr.plans)
 
 
 def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
     """Load the assembled snapshot when every rank can read it; storage otherwise."""
-    from tenax.checkpoint.collectives import all_ranks_agree
+    from tenax.checkpoint import all_ranks_agree
 
     uri = memory.restore_uri if memory is not None else None
     if uri is not None:
@@ -83,8 +91,7 @@ def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str
 
 
 def readable(uri: str) -> bool:
-    from tenax.checkpoint.format.catalog import Catalog
-    from tenax.checkpoint.format.storage import Storage, StorageError
+    from tenax.checkpoint import Catalog, Storage, StorageError
 
     try:
         return bool(Catalog(Storage(uri, timeout_s=10.0)).committed_steps())

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tenax.workers.errors import SpecError
+
 logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -19,8 +21,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_model(name: str) -> dict[str, Any]:
-    from tenax.workers.spec import SpecError
-
     if name not in PRESETS:
         raise SpecError(f"--model-preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
     return dict(PRESETS[name])

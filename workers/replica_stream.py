@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from tenax.checkpoint.memory.snapshot_store import SnapshotError, SnapshotStamp, crc32c_of
+from tenax.checkpoint import SnapshotError
+from tenax.checkpoint.memory import SnapshotStamp, crc32c_of
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,8 @@ import threading
 import uuid
 from typing import Any
 
-from tenax.checkpoint.memory.buffer_maps import BufferMaps
-from tenax.checkpoint.memory.restore import assemble_version
-from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotError, SnapshotStamp,
-                                                    snapshot_root)
+from tenax.checkpoint import SnapshotError, assemble_version
+from tenax.checkpoint.memory import BufferMaps, SnapshotDir, SnapshotStamp, snapshot_root
 from tenax.workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationError,
                       field_validator, model_validator)
 
-from tenax.parallel.config import ModelArgs
-from tenax.parallel.layout import ParallelLayout, degree_problems, layout_for
+from tenax.parallel import ModelArgs, ParallelLayout, degree_problems, layout_for
+from tenax.workers.errors import SpecError
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,6 @@ def _degree(value: Any) -> int | str:
 
 
 Degree = Annotated[Union[int, str], PlainValidator(_degree)]
-
-
-class SpecError(ValueError):
-    """A job spec that cannot run; the message names every bad field and its value."""
 
 
 class _Strict(BaseModel):
@@ -218,7 +214,7 @@ class FaultToleranceSpec(_Strict):
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     hang_timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(10, ge=0)
-    straggler_threshold: float = Field(0.9, gt=0, lt=1)  # bench/straggler_bench.py, README
+    straggler_threshold: float = Field(0.9, gt=0, lt=1)  # bench/straggler_bench.py, docs/operations.md
     straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/job/health.py
 
     @model_validator(mode="after")

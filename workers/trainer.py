@@ -18,10 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tenax.parallel.data_parallel import local
-from tenax.parallel.layout import ParallelLayout
-from tenax.parallel.model import cross_entropy_sum, init_weights
-from tenax.parallel.parallelize import ParallelModel, parallelize
+from tenax.parallel import (ParallelLayout, ParallelModel, cross_entropy_sum, init_weights, local,
+                            parallelize)
 from tenax.workers.data import TokenDataLoader
 from tenax.workers.spec import JobSpec
 
@@ -116,7 +114,7 @@ class Trainer:
     def _set_positions(self) -> None:
         s, cp = self.spec.model.seq_len, self.layout.cp
         if cp > 1:
-            from tenax.parallel.context_parallel import zigzag_indices
+            from tenax.parallel import zigzag_indices
 
             positions = zigzag_indices(s, cp, self.coords["cp"]).to(self.device)
         else:
@@ -125,7 +123,7 @@ class Trainer:
             part.positions = positions
 
     def _build_pipeline(self):
-        from tenax.parallel.pipeline_parallel import PipelineRunner
+        from tenax.parallel import PipelineRunner
 
         n_stages = self.layout.pp * self.layout.pp_virtual_stages
         return PipelineRunner(self.parts, self.pm.stage_ids, n_stages, self.layout.pp_schedule,
@@ -140,7 +138,7 @@ class Trainer:
         """This rank's share of a batch of sequences: its zig-zag chunks under CP."""
         if self.layout.cp == 1:
             return x
-        from tenax.parallel.context_parallel import zigzag_split
+        from tenax.parallel import zigzag_split
 
         return zigzag_split(x, self.layout.cp, self.coords["cp"])
 
@@ -216,7 +214,7 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor,
                           targets: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from tenax.parallel.expert_parallel import moe_aux_loss, moe_stats
+        from tenax.parallel import moe_aux_loss, moe_stats
 
         mb, model = self.layout.micro_batch_size, self.parts[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -305,7 +303,7 @@ class Trainer:
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full CPU tensor keyed by its canonical name (collective)."""
-        from tenax.parallel.model import canonical_param_name
+        from tenax.parallel import canonical_param_name
 
         out = {}
         for name, p in self.pm.named_parameters():

@@ -13,7 +13,9 @@ forkserver that has torch and Tenax preloaded. Why:
   placement with it.
 
 Step and checkpoint records flow child -> actor over a pipe and are fetched by the controller
-with each heartbeat, so no rank ever blocks on the controller.
+with each heartbeat, so no rank ever blocks on the controller. The child runs the rank loop
+(workers/rank.py); only in a drill does it get a fault hook (`RankChaos`, None in production),
+whose claims in the job's ledger go through this actor.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from tenax.workers.chaos_injector import RankChaos
+from tenax.workers.memory_options import MemoryOptions
 from tenax.workers.snapshot_keeper import SnapshotKeeper
 
 logger = logging.getLogger(__name__)
@@ -42,10 +46,11 @@ logger = logging.getLogger(__name__)
 # ~0.06 s of CPU before its first step (numpy.ma alone, pulled in by np.unique, ~0.04 s).
 # tests/test_imports.py checks that a train-and-resume imports nothing past this list.
 PRELOAD = ["ray", "torch", "torch.distributed", "torch.distributed.tensor.debug", "numpy.ma",
-           "fsspec.implementations.chained", "tenax.workers.launch", "tenax.workers.trainer",
-           "tenax.workers.events", "tenax.parallel.parallelize", "tenax.parallel.expert_parallel",
-           "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard", "tenax.checkpoint.memory.snapshot",
-           "tenax.checkpoint.memory.restore", "tenax.checkpoint.save.plan_codec", "tenax.workers.worker"]
+           "fsspec.implementations.chained", "tenax.workers.rank", "tenax.workers.trainer",
+           "tenax.workers.events", "tenax.parallel.parallel_model", "tenax.parallel.expert_parallel",
+           "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard",
+           "tenax.checkpoint.memory.snapshot", "tenax.checkpoint.memory.restore",
+           "tenax.checkpoint.save.plan_codec", "tenax.workers.worker"]
 
 
 @dataclass
@@ -57,14 +62,13 @@ class RankRun:
     world: int
     addr: str
     port: int
-    gpus_per_node: int
-    chaos: list[dict[str, Any]] = field(default_factory=list)
-    ledger: Any = None
-    node_killable: bool = False  # a `kill node` drill may kill this node's raylet
+    node_id: str = ""  # the Ray node this rank was placed on
     job_id: str = ""
     generation: int = 0  # the controller's placement counter (snapshot series)
+    snapshot_every: int = 0  # the placement's decision: a snapshot every N steps (0: none)
     restore_uri: str | None = None  # an assembled in-memory snapshot to resume from
     peer: Any = None  # the agent on the next node that holds this rank's replica
+    chaos: RankChaos | None = None  # a drill's rank-side faults; None in production
 
 
 @dataclass
@@ -81,21 +85,19 @@ class RankStatus:
     attempt: int = 0
 
 
-def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
-                replicated: bool, plan: str | None = None) -> None:
+def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) -> None:
     """Entry point of the training process (runs in a forkserver child).
 
-    `control` carries requests from the actor: "stop" = commit a checkpoint at the next step
-    boundary and exit (planned scale changes lose no steps). Every rank agrees on that
-    boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank got
-    the request."""
+    `memory`: the agent's side of the snapshots (its callbacks are added here, they send over
+    `conn`). `control` carries requests from the actor: "stop" = commit a checkpoint at the
+    next step boundary and exit (planned scale changes lose no steps). Every rank agrees on
+    that boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank
+    got the request."""
     # The forkserver's preloaded heap (ray, torch: ~10^6 objects) is never freed here, yet
     # every full collection walked it: 0.3 s inside the first checkpoint load's pickling,
     # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
     gc.freeze()
-    from tenax.workers.chaos_injector import ChaosInjector
-    from tenax.workers.launch import run_rank
-    from tenax.workers.memory_options import MemoryOptions
+    from tenax.workers.rank import RankHooks, RankOptions, run_rank
 
     lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
 
@@ -108,31 +110,24 @@ def _child_main(run: RankRun, conn: Any, control: Any, snapshot_dir: str | None,
             conn.send(("claim", key))
             return bool(conn.recv())
 
-    injector = ChaosInjector(run.chaos, run.rank, run.gpus_per_node, claim, run.node_killable)
-
-    def on_record(record: dict[str, Any]) -> None:
-        send(("record", record))
-        if record.get("event") in ("step", "started"):
-            injector.before_step(record["step"] + 1)
-
-    memory = MemoryOptions(snapshot_dir, run.generation, run.restore_uri,
-                           lambda event: send(("record", {**event, "rank": run.rank})),
-                           replicated, plan=plan, on_plan=lambda blob: send(("plan", blob)))
-
-    def should_stop() -> bool:
-        return bool(control.poll())
-
+    memory = replace(memory, on_plan=lambda blob: send(("plan", blob)),
+                     on_snapshot=lambda event: send(("record", {**event, "rank": run.rank})))
+    hooks = RankHooks(on_step=lambda record: send(("record", record)),
+                      should_stop=lambda: bool(control.poll()),
+                      faults=run.chaos.injector(run.rank, run.node_id, claim)
+                      if run.chaos is not None else None)
+    options = RankOptions(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
+                          memory=memory)
     try:
-        record = run_rank(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
-                          on_step=on_record, should_stop=should_stop,
-                          slow_factor=lambda: injector.slow_factor, memory=memory)
+        record = run_rank(options, hooks)
         send(("stopped" if record.get("event") == "stopped" else "done", None))
     except BaseException as err:  # every failure reaches the controller with its cause
         send(("error", f"{type(err).__name__}: {err}"))
 
 
 class RankWorker:
-    """Ray actor body (made remote in `tenax.orchestrator.placement.worker_group` with its slot's resources)."""
+    """Ray actor body (made remote in `tenax.orchestrator.placement.worker_group` with its
+    slot's resources)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -194,19 +189,23 @@ class RankWorker:
         """(Re)start this slot's training process for a new rendezvous; returns the attempt
         number, which tags every later heartbeat so stale answers can be told apart."""
         self.stop()
-        self._ledger, self._attempt = run.ledger, self._attempt + 1
-        if run.ledger is not None and run.chaos and run.ledger != self._warmed:
-            self._warmed = run.ledger  # handles compare by actor: once per ledger, not per start
-            threading.Thread(target=_warm_up_ledger, args=(run.ledger,), daemon=True).start()
+        self._attempt += 1
+        self._ledger = run.chaos.ledger if run.chaos is not None else None
+        if self._ledger is not None and run.chaos.events and self._ledger != self._warmed:
+            self._warmed = self._ledger  # handles compare by actor: once per ledger, not per start
+            threading.Thread(target=_warm_up_ledger, args=(self._ledger,), daemon=True).start()
         self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation)
+        memory = MemoryOptions(self.snapshots.local_dir, every_steps=run.snapshot_every,
+                               generation=run.generation, restore_uri=run.restore_uri,
+                               replicated=run.peer is not None, plan=self._plan)
         parent, child = self._ctx.Pipe()
         control_read, self._control = self._ctx.Pipe(duplex=False)
         # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
         # asks us to claim chaos events over the pipe instead.
+        chaos = replace(run.chaos, ledger=None) if run.chaos is not None else None
         proc = self._ctx.Process(target=_child_main,
-                                 args=(replace(run, ledger=None, peer=None), child, control_read,
-                                       self.snapshots.local_dir, run.peer is not None,
-                                       self._plan),
+                                 args=(replace(run, chaos=chaos, peer=None), memory, child,
+                                       control_read),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
         child.close()
@@ -216,7 +215,8 @@ class RankWorker:
             self._status = RankStatus(rank=run.rank, state="starting", child_pid=proc.pid,
                                       attempt=self._attempt)
             self._events = []
-        threading.Thread(target=self._read, args=(parent, proc, self._attempt), daemon=True).start()
+        threading.Thread(target=self._read, args=(parent, proc, self._attempt),
+                         daemon=True).start()
         return self._attempt
 
     def _read(self, conn: Any, proc: Any, attempt: int) -> None:

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Mapping, NamedTuple
 
-from tenax.checkpoint.format.manifest import (FORMAT_VERSION, CatalogError, CatalogUnreachableError,
-                                              FileEntry, Manifest, ManifestError, VersionHealth)
+from tenax.checkpoint.errors import (CatalogError, CatalogUnreachableError, ManifestError,
+                                     StorageError, StorageNotFoundError)
+from tenax.checkpoint.format.manifest import (FORMAT_VERSION, CommitInfo, FileEntry, Manifest,
+                                              VersionHealth)
 from tenax.checkpoint.format.retention_policy import retention_plan
-from tenax.checkpoint.format.storage import (DEFAULT_CHECKSUM, Storage, StorageError,
-                                             StorageNotFoundError, validate_relpath)
+from tenax.checkpoint.format.storage import DEFAULT_CHECKSUM, Storage, validate_relpath
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,8 @@ def spec_hash(model_spec: Mapping[str, Any]) -> str:
     Why canonical JSON: the hash must match across processes, Python versions and key orders,
     so a checkpoint is never loaded into a different model by accident.
     """
-    data = model_spec.model_dump(mode="json") if hasattr(model_spec, "model_dump") else model_spec
     try:
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+        text = json.dumps(model_spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise CatalogError(f"model spec is not JSON-serialisable: {exc}") from exc
@@ -126,26 +126,21 @@ class Catalog:
         self.storage.makedirs(name)
         return self.storage.url(name)
 
-    def commit(self, step: int, *, layout: Mapping[str, Any], world_size: int, model_hash: str,
-               data_cursor: int, seed: int, lr_step: int, blocked_s: float = 0.0,
-               started_at: float | None = None, extra: Mapping[str, Any] | None = None,
-               expected_files: Collection[str] | None = None,
-               allow_empty_files: bool = False,
-               before_publish: Callable[[], None] | None = None,
-               known: Mapping[str, FileEntry] | None = None) -> Manifest:
-        """Checksum every file of the version, then write manifest.json last; return it.
+    def commit(self, info: CommitInfo, *, known: Mapping[str, FileEntry] | None = None,
+               before_publish: Callable[[], None] | None = None) -> Manifest:
+        """Checksum every file of version `info.step`, then write manifest.json last; return it.
 
-        `started_at` is `time.monotonic()` when the save began (total_s runs to the manifest
-        write; without it total_s is the commit's own time). Refuses when the version dir is
-        missing or has no files, a file of `expected_files` is missing, a file is empty (unless
-        `allow_empty_files`), or the step is already committed. `before_publish` runs right
-        before the manifest is written and may raise to abort the commit. `known`: entries
-        already checksummed by whoever wrote those bytes (an assembled in-memory snapshot, whose
-        pieces were verified against their stamps); their files are only sized, not re-read.
+        Refuses when the version dir is missing or has no files, a file of
+        `info.expected_files` is missing, a file is empty (unless `info.allow_empty_files`), or
+        the step is already committed. `known`: entries already checksummed by whoever wrote
+        those bytes (an assembled in-memory snapshot, whose pieces were verified against their
+        stamps); their files are only sized, not re-read. `before_publish` runs right before
+        the manifest is written and may raise to abort the commit.
         """
         t0 = time.monotonic()
+        step = info.step
         name = version_name(step)
-        files = self._files_to_commit(step, expected_files, allow_empty_files)
+        files = self._files_to_commit(step, info.expected_files, info.allow_empty_files)
         known = {rel: e for rel, e in (known or {}).items() if rel in files}
         sums = self.storage.checksum_many([f"{name}/{r}" for r in files if r not in known],
                                           self.checksum, self.workers)
@@ -158,12 +153,13 @@ class Catalog:
                 raise CatalogError(f"cannot commit step {step}: {self.storage.url(name)}/{rel} "
                                    f"changed size while being checksummed")
             entries[rel] = FileEntry(*res)
+        created = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         manifest = Manifest(
-            step=step, layout=dict(layout), world_size=world_size, model_hash=model_hash,
-            data_cursor=data_cursor, seed=seed, lr_step=lr_step, files=entries,
-            blocked_s=float(blocked_s), extra=dict(extra or {}),
-            created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
-        manifest.total_s = time.monotonic() - (t0 if started_at is None else started_at)
+            step=step, layout=dict(info.layout), world_size=info.world_size,
+            model_hash=info.model_hash, data_cursor=info.data_cursor, seed=info.seed,
+            lr_step=info.lr_step, files=entries, blocked_s=float(info.blocked_s),
+            extra=dict(info.extra), created_at=created)
+        manifest.total_s = time.monotonic() - (t0 if info.started_at is None else info.started_at)
         if before_publish is not None:
             before_publish()
         self.storage.write_bytes(self._manifest_rel(step), manifest.to_json().encode())

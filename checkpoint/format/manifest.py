@@ -1,4 +1,4 @@
-"""The manifest (a version's commit marker) and the catalog's error and health types.
+"""The manifest (a version's commit marker), what a commit records in it, and version health.
 
 Why a module of its own: the manifest is the one document read back from storage that drives
 every resume, so its parsing is strict (types, bounds, confined file names) and lives apart
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Collection, Mapping
 
-from tenax.checkpoint.format.storage import StorageError, validate_relpath
+from tenax.checkpoint.errors import ManifestError, StorageError
+from tenax.checkpoint.format.storage import validate_relpath
 
 FORMAT_VERSION = 1
 # DCP's global plan, written by rank 0 beside the shard files. Named here, not in shards.py,
@@ -24,22 +25,6 @@ def echo(value: object) -> str:
     """A short repr of a value read from storage, so errors never relay a file's content."""
     text = repr(value)
     return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} chars)"
-
-
-class CatalogError(Exception):
-    """A checkpoint version cannot be begun, committed or read; the message names the URI."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
-class ManifestError(CatalogError):
-    """A manifest is unreadable, malformed or of an unknown format version."""
-
-
-class CatalogUnreachableError(CatalogError):
-    """Storage did not answer (an I/O error, not a checksum mismatch): nothing is known about
-    the version, so it must be neither skipped as damaged nor deleted."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +43,30 @@ class VersionHealth:
 class FileEntry:
     size: int
     checksum: str  # '<algorithm>:<hex>', e.g. 'crc32c:1a2b3c4d'
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """What `Catalog.commit` records in a version's manifest, and the files it must find there.
+
+    `started_at` is `time.monotonic()` when the save began: the manifest's total_s runs from
+    there to the manifest write (None: the commit's own time). Every file of `expected_files`
+    must exist; an empty file is refused unless `allow_empty_files` (a rank of an in-memory
+    snapshot may hold no bytes).
+    """
+
+    step: int
+    layout: Mapping[str, Any]
+    world_size: int
+    model_hash: str
+    data_cursor: int
+    seed: int
+    lr_step: int
+    blocked_s: float = 0.0
+    started_at: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    expected_files: Collection[str] = ()
+    allow_empty_files: bool = False
 
 
 def _need_int(name: str, value: Any, minimum: int) -> None:

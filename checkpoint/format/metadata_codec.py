@@ -18,6 +18,8 @@ import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
+from tenax.checkpoint.errors import MetadataFormatError
+
 logger = logging.getLogger(__name__)
 
 METADATA_FORMAT = "tenax-dcp-metadata"
@@ -37,13 +39,6 @@ class ShardLocation:
     length: int
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the 'torch.' prefix
-
-
-class MetadataFormatError(Exception):
-    """`.metadata` is not a JSON document of a known version; the message says which field."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 def legacy_refusal(url: str) -> str:

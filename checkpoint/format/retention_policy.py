@@ -12,9 +12,21 @@ that would destroy evidence an operator may want, and replacing them is a save's
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Collection
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What the save coordinator keeps after a commit: the newest `keep_last`, every
+    `keep_every`th step (0 = off), and the steps in `protect` (e.g. the one the job resumed
+    from, which may be all that is intact)."""
+
+    keep_last: int
+    keep_every: int = 0
+    protect: tuple[int, ...] = ()
 
 
 def _check_knobs(keep_last: int, keep_every: int) -> None:

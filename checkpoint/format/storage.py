@@ -32,6 +32,8 @@ from typing import IO, Any, Callable, Iterable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tenax.checkpoint.errors import StorageError, StorageNotFoundError, StorageTimeoutError
+
 try:  # hardware CRC32C is ~2x zlib.crc32 here; optional so a bare install still works
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - depends on the environment
@@ -48,24 +50,6 @@ _CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {"crc32": zlib.crc32}
 if _crc32c is not None:
     _CHECKSUMS["crc32c"] = _crc32c.crc32c
 DEFAULT_CHECKSUM = "crc32c" if _crc32c is not None else "crc32"
-
-
-class StorageError(Exception):
-    """A checkpoint storage operation failed; the message names the URI.
-
-    Only a message argument, so the exception pickles across Ray actor boundaries.
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
-class StorageNotFoundError(StorageError):
-    """The file or directory does not exist."""
-
-
-class StorageTimeoutError(StorageError):
-    """The storage call did not finish within its deadline."""
 
 
 def validate_relpath(rel: str, *, allow_root: bool = False, uri: str = "") -> str:

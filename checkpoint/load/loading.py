@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tenax.checkpoint.collectives import (all_ranks_agree, dist_on, max_across_ranks,
                                           single_process_quiet)
-from tenax.checkpoint.errors import CheckpointError, ModelMismatchError, ShardError, describe_error
-from tenax.checkpoint.format.catalog import Catalog, CatalogError, Manifest, version_name
+from tenax.checkpoint.errors import (CatalogError, CheckpointError, ModelMismatchError, ShardError,
+                                     StorageError, describe_error)
+from tenax.checkpoint.format.catalog import Catalog, Manifest, version_name
 from tenax.checkpoint.format.metadata_codec import FORMAT, LEGACY_FORMAT, legacy_refusal
-from tenax.checkpoint.format.storage import StorageError
 from tenax.checkpoint.load.raw_reader import RawReader
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ import os
 from types import TracebackType
 from typing import IO, Any
 
-from tenax.checkpoint.format.storage import Storage, StorageError
+from tenax.checkpoint.errors import StorageError
+from tenax.checkpoint.format.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tenax.checkpoint.errors import ShardError
+from tenax.checkpoint.errors import MetadataFormatError, ShardError
 from tenax.checkpoint.format.manifest import METADATA_NAME
-from tenax.checkpoint.format.metadata_codec import (MetadataFormatError, ShardLocation,
-                                                    decode_metadata, dtype_from_name)
+from tenax.checkpoint.format.metadata_codec import ShardLocation, decode_metadata, dtype_from_name
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.load.local_reads import LocalChunkReader
 from tenax.checkpoint.tensor_bytes import byte_view

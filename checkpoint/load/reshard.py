@@ -24,14 +24,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tenax.parallel.data_parallel import DataParallel, local
-from tenax.parallel.model import canonical_param_name
+from tenax.parallel import DataParallel, canonical_param_name, local
 
 
 class TrainerLike(Protocol):
     """What resharding reads of a `tenax.workers.trainer.Trainer`; a protocol, because checkpoint/
     sits below workers/ and must not import it (imports point one way)."""
-    pm: Any  # tenax.parallel.parallelize.ParallelModel: named_parameters(), dps
+    pm: Any  # tenax.parallel.parallel_model.ParallelModel: named_parameters(), dps
     optimizer: torch.optim.Optimizer
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,25 @@
+"""tenax.checkpoint.memory — per-step snapshots in host memory, and restoring from them.
+
+- `MemorySnapshotter`: one rank's state copied every step into memory its agent owns (what a
+  storage save of that step would write), off the critical path.
+- `SnapshotDir`, `SnapshotStamp`, `snapshot_root`, `SNAPSHOT_ENV`, `crc32c_of`: the
+  `.partial`/stamp layout that makes a copy killed half-way invisible; torch-free, for agents.
+- `BufferMaps`: the kept memory mappings of the double buffer.
+- `assemble_version`: every rank's pieces of one step committed as an ordinary version, which
+  the manager then loads (and reshards) like storage.
+
+Names resolve lazily (PEP 562); the errors live in `tenax.checkpoint.errors`.
+"""
+from __future__ import annotations
+
+from tenax.faces import lazy_face
+
+_MODULES = {
+    "snapshot": ("MemorySnapshotter",),
+    "snapshot_store": ("SNAPSHOT_ENV", "SnapshotDir", "SnapshotStamp", "crc32c_of",
+                       "snapshot_root"),
+    "buffer_maps": ("BufferMaps",),
+    "restore": ("assemble_version",),
+}
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

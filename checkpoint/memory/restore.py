@@ -13,10 +13,11 @@ import os
 import shutil
 from typing import Any
 
+from tenax.checkpoint.errors import SnapshotError
 from tenax.checkpoint.format.catalog import Catalog, version_name
-from tenax.checkpoint.format.manifest import FileEntry
+from tenax.checkpoint.format.manifest import CommitInfo, FileEntry
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.memory.snapshot_store import SnapshotError, SnapshotStamp
+from tenax.checkpoint.memory.snapshot_store import SnapshotStamp
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,13 @@ def assemble_version(root: str, pieces: list[Piece], timeout_s: float = 60.0) ->
             known[name] = FileEntry(size, f"crc32c:{crc & 0xFFFFFFFF:08x}")
     uri = f"file://{root}"
     commit = _commit_fields(pieces)
-    Catalog(Storage(uri, timeout_s=timeout_s), checksum="crc32c").commit(
-        first.step, world_size=first.world, expected_files=list(known), allow_empty_files=True,
-        extra={**commit["extra"], "source": "memory"}, layout=commit["layout"],
+    info = CommitInfo(
+        step=first.step, layout=commit["layout"], world_size=first.world,
         model_hash=commit["model_hash"], data_cursor=int(commit["data_cursor"]),
-        seed=int(commit["seed"]), lr_step=int(commit["lr_step"]), known=known)
+        seed=int(commit["seed"]), lr_step=int(commit["lr_step"]),
+        extra={**commit["extra"], "source": "memory"}, expected_files=tuple(known),
+        allow_empty_files=True)
+    Catalog(Storage(uri, timeout_s=timeout_s), checksum="crc32c").commit(info, known=known)
     linked = sum(1 for _, files in pieces if isinstance(files, str))
     logger.info("assembled snapshot step %d of %d ranks (%d bytes; %d piece(s) linked, %d "
                 "written) under %s", first.step, first.world,

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tenax.checkpoint.format.catalog import spec_hash
+from tenax.checkpoint.config import CheckpointConfig
 from tenax.checkpoint.format.manifest import METADATA_NAME
 from tenax.checkpoint.memory.buffer_maps import BufferMaps
 from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
@@ -49,17 +49,16 @@ COPY_CHUNK = 256 << 10
 class MemorySnapshotter:
     """One rank's per-step snapshots into `SnapshotDir(root)` (series g<generation>-r<rank>)."""
 
-    def __init__(self, spec: Any, state: Any, rank: int, world: int, root: str,
+    def __init__(self, config: CheckpointConfig, state: Any, rank: int, world: int, root: str,
                  generation: int, agree: Callable[[bool], bool],
                  on_done: Callable[[dict[str, Any]], None] | None = None,
                  replicated: bool = False, plans: SavePlans | None = None) -> None:
         """`plans`: the storage checkpoints' plan of the same state (the manager's `plans`),
         so that whichever of the two saves first after a (re)start plans for both."""
-        self.spec, self.state, self.rank, self.world = spec, state, rank, world
+        self.config, self.state, self.rank, self.world = config, state, rank, world
         self.store, self.generation = SnapshotDir(root), generation
         self.agree, self.on_done, self.replicated = agree, on_done, replicated
-        self.every = spec.checkpoint.memory_every_steps
-        self.model_hash = spec_hash(spec.model)
+        self.model_hash = config.model_hash
         self.skipped = 0
         self.plans = plans or SavePlans()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,9 +69,6 @@ class MemorySnapshotter:
         self._newest: int | None = None  # the last step this process published
         # The double buffer's mappings, kept between snapshots (checkpoint/memory/buffer_maps.py)
         self._maps = BufferMaps(limit=self.store.keep + 1)
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
 
     def snapshot(self, step: int) -> None:
         """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
@@ -92,7 +88,7 @@ class MemorySnapshotter:
                         self.rank, step)
             return
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
-        commit = manifest_fields(self.state, self.spec.name, self.model_hash)
+        commit = manifest_fields(self.state, self.config.job, self.model_hash)
         partial = self.store.begin(self.generation, self.rank, step)
         done, self._finished = threading.Event(), threading.Event()
         if hasattr(self.state, "fence_before_update"):

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np  # at import, not at the first restore: importing it in an agent takes 0.2 s
 
+from tenax.checkpoint.errors import SnapshotError
 from tenax.checkpoint.format.storage import checksum_algorithms
 from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps
 from tenax.checkpoint.save.writer import write_all
@@ -48,13 +49,6 @@ STAMP_NAME = "stamp.json"
 SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
-
-
-class SnapshotError(Exception):
-    """A snapshot is missing, incomplete or fails its checksum (picklable: crosses Ray)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 def snapshot_root() -> str:

@@ -70,7 +70,7 @@ def _global_offset(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _moment_pieces(p: torch.Tensor, dp: Any, flat: torch.Tensor | None) -> PiecewiseTensor:
-    from tenax.parallel.data_parallel import local
+    from tenax.parallel import local
 
     shape = tuple(local(p).shape)
     numel = math.prod(shape)
@@ -135,7 +135,7 @@ def state_fingerprint(trainer: Any) -> tuple[tuple[Any, ...], torch.Tensor]:
 
 
 def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
-    from tenax.parallel.data_parallel import local
+    from tenax.parallel import local
 
     if t is None:
         return None

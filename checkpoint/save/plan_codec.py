@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import (BytesIOWriteData, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
-from tenax.checkpoint.format.metadata_codec import MetadataFormatError, dtype_from_name
+from tenax.checkpoint.errors import MetadataFormatError, PlanFormatError
+from tenax.checkpoint.format.metadata_codec import dtype_from_name
 from tenax.checkpoint.save.planning import PlanCache
 
 PLAN_FORMAT = "tenax-save-plan-1"
@@ -29,10 +30,6 @@ MAX_PLAN_BYTES = 64 << 20
 _LAYOUTS = {str(v): v for v in (torch.strided, torch.sparse_coo)}
 _MEMORY_FORMATS = {str(v): v for v in (torch.contiguous_format, torch.preserve_format,
                                        torch.channels_last, torch.channels_last_3d)}
-
-
-class PlanFormatError(ValueError):
-    """A handed plan is not one this codec wrote (it is then planned anew, never trusted)."""
 
 
 def encode_plan(cache: PlanCache, rank: int, world: int) -> str:

@@ -34,13 +34,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
+from tenax.checkpoint.errors import CheckpointWriteError
 from tenax.checkpoint.format.catalog import Catalog, version_name
-from tenax.checkpoint.format.manifest import METADATA_NAME
+from tenax.checkpoint.format.manifest import METADATA_NAME, CommitInfo
+from tenax.checkpoint.format.retention_policy import Retention
 from tenax.checkpoint.format.storage import MIN_BYTES_PER_S, Storage
 from tenax.checkpoint.save.background import WRITER_THREAD, as_background
 
@@ -50,28 +52,6 @@ WRITE_CHUNK = 8 << 20  # os.write releases the GIL per call; large calls keep Py
 WRITER_NICE = 19  # background writers yield the cores to training (the bench's ablation sets 0)
 MARKER_FMT = "rank-{:05d}.json"
 FAULT_ENV, FAULT_RANKS_ENV = "TENAX_CKPT_FAULT", "TENAX_CKPT_FAULT_RANKS"
-
-
-class CheckpointWriteError(Exception):
-    """A rank could not write its part of a save, or rank 0 could not commit it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
-@dataclass
-class CommitInfo:
-    """What rank 0 puts in the manifest and how it applies retention afterwards."""
-
-    layout: dict[str, Any]
-    model_hash: str
-    data_cursor: int
-    seed: int
-    lr_step: int
-    keep_last: int
-    keep_every: int
-    protect: tuple[int, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,7 +67,8 @@ class SaveJob:
     pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)
     nbytes: int = 0
     metadata_bytes: bytes | None = None
-    commit: CommitInfo | None = None
+    commit: CommitInfo | None = None  # rank 0: the manifest's fields; timings are added here
+    retention: Retention | None = None  # rank 0: what to keep once the commit is written
     blocked_s: float | None = None  # None: a sync save, blocked for its whole duration
     fence_wait_s: float = 0.0  # time training later waited at its optimizer step for staging
     abandoned: threading.Event = field(default_factory=threading.Event)
@@ -281,7 +262,6 @@ def _wait_for_ranks(job: SaveJob) -> tuple[list[str], float, float]:
 
 
 def _commit(job: SaveJob) -> dict[str, Any]:
-    info = job.commit
     files, blocked, earliest = _wait_for_ranks(job)
     _check_live(job)
     catalog = Catalog(job.storage)
@@ -293,16 +273,15 @@ def _commit(job: SaveJob) -> dict[str, Any]:
         held.append(True)
         _check_live(job)
 
+    info = replace(job.commit, blocked_s=0.0 if sync else blocked, started_at=earliest,
+                   extra={**job.commit.extra, "writer": job.mode}, expected_files=tuple(files))
     try:
-        manifest = catalog.commit(
-            job.step, layout=info.layout, world_size=job.world, model_hash=info.model_hash,
-            data_cursor=info.data_cursor, seed=info.seed, lr_step=info.lr_step,
-            blocked_s=0.0 if sync else blocked, started_at=earliest,
-            extra={**info.extra, "writer": job.mode}, expected_files=files,
-            before_publish=enter_gate)
+        manifest = catalog.commit(info, before_publish=enter_gate)
+        keep = job.retention
         try:
-            catalog.apply_retention(info.keep_last, info.keep_every, protect=info.protect,
-                                    head=job.step)
+            if keep is not None:
+                catalog.apply_retention(keep.keep_last, keep.keep_every, protect=keep.protect,
+                                        head=job.step)
         except Exception as exc:  # retention is a chore; its failure is logged, never fatal
             logger.error("retention after step %d failed: %s", job.step, exc)
     finally:

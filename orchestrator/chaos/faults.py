@@ -17,17 +17,14 @@ import logging
 import re
 import time
 
-from tenax.workers.chaos_injector import ChaosEvent, ChaosInjector
+from tenax.orchestrator.errors import ChaosError
+from tenax.workers import ChaosEvent, ChaosInjector
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "slow", "scale", "corrupt-checkpoint")
-__all__ = ["KINDS", "ChaosError", "ChaosEvent", "ChaosInjector", "ChaosLedger",
+__all__ = ["KINDS", "ChaosEvent", "ChaosInjector", "ChaosLedger",
            "corrupt_newest_checkpoint", "parse_chaos", "validate_for_job"]
-
-
-class ChaosError(ValueError):
-    """A --chaos spec that cannot be parsed; the message names the event and the problem."""
 
 
 _FIELD = re.compile(r"^(rank|node|at|factor|nodes)=([^=\s]+)$")
@@ -107,8 +104,7 @@ class ChaosLedger:
 
 def corrupt_newest_checkpoint(uri: str) -> str:
     """Flip bytes in the middle of the largest shard of the newest committed version."""
-    from tenax.checkpoint.format.catalog import Catalog, version_name
-    from tenax.checkpoint.format.storage import Storage
+    from tenax.checkpoint import Catalog, Storage, version_name
 
     catalog = Catalog(Storage(uri))
     steps = catalog.committed_steps()

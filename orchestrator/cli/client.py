@@ -25,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from tenax.workers.events import human, layout_text
+from tenax.orchestrator.errors import RpcFailed
+from tenax.workers import human, layout_text
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,6 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 
-class RpcFailed(Exception):
-    """An RPC answered an error status; the message is the one line the user sees."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
-
 class Client:
     """A channel and stub to one server, with the token and a deadline on every unary call."""
 
@@ -52,7 +46,7 @@ class Client:
         import grpc
 
         from tenax.orchestrator.service.auth import bearer_metadata
-        from tenax.v1 import jobs_pb2_grpc
+        from tenax.proto import jobs_pb2_grpc
 
         self.server, self.timeout_s = server, timeout_s
         if tls_ca:
@@ -120,7 +114,7 @@ def read_spec_json(path: str) -> str:
 
 @_rpc_command
 def cmd_submit(args: argparse.Namespace, client: Client) -> int:
-    from tenax.v1 import jobs_pb2 as pb
+    from tenax.proto import jobs_pb2 as pb
 
     request = pb.SubmitJobRequest(spec_json=read_spec_json(args.spec), overrides=args.overrides)
     print(client.call("SubmitJob", request).job_id)
@@ -130,7 +124,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
 @_rpc_command
 def cmd_status(args: argparse.Namespace, client: Client) -> int:
     from tenax.orchestrator.service.wire import job_dict
-    from tenax.v1 import jobs_pb2 as pb
+    from tenax.proto import jobs_pb2 as pb
 
     if args.job_id:
         job = job_dict(client.call("GetJob", pb.GetJobRequest(job_id=args.job_id)))
@@ -149,7 +143,7 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
 
 @_rpc_command
 def cmd_scale(args: argparse.Namespace, client: Client) -> int:
-    from tenax.v1 import jobs_pb2 as pb
+    from tenax.proto import jobs_pb2 as pb
 
     job = client.call("ScaleJob", pb.ScaleJobRequest(job_id=args.job_id, nodes=args.nodes))
     print(f"job {job.job_id}: target {job.target_nodes} node(s); it re-plans at the next step")
@@ -159,7 +153,7 @@ def cmd_scale(args: argparse.Namespace, client: Client) -> int:
 @_rpc_command
 def cmd_cancel(args: argparse.Namespace, client: Client) -> int:
     from tenax.orchestrator.service.wire import state_name
-    from tenax.v1 import jobs_pb2 as pb
+    from tenax.proto import jobs_pb2 as pb
 
     job = client.call("CancelJob", pb.CancelJobRequest(job_id=args.job_id))
     print(f"job {job.job_id}: cancel requested (state {state_name(job.state)})")
@@ -172,7 +166,7 @@ def cmd_watch(args: argparse.Namespace, client: Client) -> int:
     import grpc
 
     from tenax.orchestrator.service.wire import event_dict, state_name
-    from tenax.v1 import jobs_pb2 as pb
+    from tenax.proto import jobs_pb2 as pb
 
     # Fail fast on a wrong server or job id; only a stream that was up gets reconnected.
     client.call("GetJob", pb.GetJobRequest(job_id=args.job_id))
@@ -268,9 +262,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tenax.orchestrator.loopback import loopback_env
 
         loopback_env()
+    from tenax.orchestrator.errors import StoreError
     from tenax.orchestrator.service.auth import read_tokens
     from tenax.orchestrator.service.server import ServeConfig, serve
-    from tenax.orchestrator.service.store import StoreError
 
     if not args.verbose:  # a server reports job transitions; the CLI default is WARNING
         logging.getLogger().setLevel(logging.INFO)

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from tenax.checkpoint.cli import register as register_ckpt
+from tenax.checkpoint import register as register_ckpt
 from tenax.orchestrator.cli.client import register as register_service
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 # ---- tenax plan ----------------------------------------------------------------------------
 def cmd_plan_memory(args: argparse.Namespace) -> int:
-    from tenax.parallel.cost_model import ZERO_NAMES, zero_stage_ledgers
-    from tenax.parallel.host_memory import ledger_snapshot_bytes, node_snapshot_footprint
+    from tenax.parallel import (ZERO_NAMES, ledger_snapshot_bytes, node_snapshot_footprint,
+                                zero_stage_ledgers)
 
     ledgers = zero_stage_ledgers(args.params_b * 1e9, args.world)
     snap = {z: node_snapshot_footprint(ledger_snapshot_bytes(led), args.gpus_per_node, args.world,
@@ -61,7 +61,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_comm(args: argparse.Namespace) -> int:
-    from tenax.parallel.cost_model import Network, tp_comm
+    from tenax.parallel import Network, tp_comm
 
     comm = tp_comm(args.batch, args.seq, args.hidden, args.tp, args.layers, args.dtype_bytes)
     doc = {"dimension": "tp", "batch": args.batch, "seq": args.seq, "hidden": args.hidden,
@@ -78,7 +78,7 @@ def cmd_plan_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_bubble(args: argparse.Namespace) -> int:
-    from tenax.parallel.bubble import bubble_table
+    from tenax.parallel import bubble_table
 
     table = bubble_table(args.pp, args.microbatches, virtual=args.virtual, F=args.F, B=args.B,
                          W=args.W, FB=args.FB)
@@ -96,8 +96,7 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
 
 def cmd_plan_layout(args: argparse.Namespace) -> int:
     from tenax.orchestrator.spec import load_spec, plan_for_spec
-    from tenax.parallel.host_memory import snapshot_footprint
-    from tenax.parallel.planner import plan_layout
+    from tenax.parallel import Cluster, PlanOptions, plan_layout, snapshot_footprint
 
     options, mem_gib = _gpu_options(args)
     if args.spec:
@@ -110,8 +109,9 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
         keys = {o.split("=", 1)[0].split(".", 1)[1] for o in args.overrides
                 if o.startswith("parallel.")}
         fixed = {k: getattr(spec.parallel, k) for k in keys}
-        result = plan_layout(spec.model.args(), args.gpus, args.gpus_per_node, mem_gib,
-                             global_batch_size=args.global_batch_size, fixed=fixed, **options)
+        result = plan_layout(spec.model.args(),
+                             Cluster(args.gpus, args.gpus_per_node, mem_gib, **options),
+                             PlanOptions(global_batch_size=args.global_batch_size, fixed=fixed))
     doc = result.to_dict()
     doc["snapshot_memory"] = snapshot_footprint(
         spec.model.args(), result.layout, args.gpus_per_node, spec.checkpoint.memory_every_steps,
@@ -124,8 +124,8 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
 
 
 def _gpu_options(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
-    """`--gpu NAME` and its override flags -> plan_layout options and GiB per GPU."""
-    from tenax.parallel.hardware import gpu_model, planner_options
+    """`--gpu NAME` and its override flags -> planner `Cluster` options and GiB per GPU."""
+    from tenax.parallel import gpu_model, planner_options
 
     if args.gpu is None:
         return {}, args.gpu_mem_gib or 80.0
@@ -165,7 +165,7 @@ def _print_plan(doc: dict[str, Any]) -> None:
 
 # ---- tenax data ----------------------------------------------------------------------------
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from tenax.workers.data import prepare_token_file
+    from tenax.workers import prepare_token_file
 
     stats = prepare_token_file(args.texts, args.out, args.token_dtype)
     if args.json:
@@ -265,10 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tenax.orchestrator.chaos.faults import ChaosError
+    from tenax.orchestrator.errors import ChaosError
     from tenax.orchestrator.spec import SpecError
-    from tenax.parallel.layout import LayoutError
-    from tenax.parallel.planner import PlanError
+    from tenax.parallel import LayoutError, PlanError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

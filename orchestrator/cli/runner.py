@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from tenax.orchestrator.chaos.faults import parse_chaos, validate_for_job
 from tenax.orchestrator.spec import JobSpec
-from tenax.workers.events import human, layout_text
+from tenax.workers import human, layout_text
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,11 @@ def sigterm_interrupts(controller: Any) -> Iterator[None]:
             logger.warning("already stopping the job (SIGTERM ignored); SIGKILL stops at once")
             return
         fired.set()
-        # The name travels as the controller's attribute, not on the exception: one raised
-        # inside a Ray call comes out of it as a plain KeyboardInterrupt (the cause would
-        # then read "Ctrl-C"). Setting an attribute is safe in a handler; posting
-        # to the inbox would take a lock the interrupted loop may hold.
-        controller.interrupted_by = "SIGTERM"
+        # The name travels through the controller, not on the exception: one raised inside a
+        # Ray call comes out of it as a plain KeyboardInterrupt (the cause would then read
+        # "Ctrl-C"). `note_interrupt` stores one attribute, which is safe in a handler;
+        # posting to the inbox would take a lock the interrupted loop may hold.
+        controller.note_interrupt("SIGTERM")
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -98,13 +98,15 @@ class EventSink:
         if kind == "step" and self.progress is not None:
             self.progress.update(self.task, completed=event["step"],
                                  description=f"loss {event['loss']:.4f} | "
-                                 f"{event['tokens_per_s']:.0f} tok/s | {layout_text(event['layout'])}")
+                                 f"{event['tokens_per_s']:.0f} tok/s | "
+                                 f"{layout_text(event['layout'])}")
         elif kind == "done" and self.progress is not None:
             # a job resumed at its last step never steps: the bar must still say where it is
             self.progress.update(self.task, completed=event["step"],
                                  description="already complete" if event.get("already_complete")
                                  else "done")
-        if kind in LOUD or (kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")):
+        ended = kind == "state" and event["state"] in ("FAILED", "CANCELLED", "SUCCEEDED")
+        if kind in LOUD or ended:
             self.console.print(_styled(event))
         elif kind == "checkpoint":
             self.console.print(f"[dim]{escape(human(event))}[/dim]")
@@ -114,8 +116,9 @@ class EventSink:
             self.file.close()
 
 
-LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green", "checkpoint_failed": "yellow", "done": "bold",
-        "chaos": "magenta", "scaled": "cyan", "straggler": "yellow"}
+LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green",
+        "checkpoint_failed": "yellow", "done": "bold", "chaos": "magenta", "scaled": "cyan",
+        "straggler": "yellow"}
 
 
 def _styled(event: dict[str, Any]) -> str:
@@ -128,7 +131,7 @@ def _styled(event: dict[str, Any]) -> str:
 def _queue(spec: JobSpec, sink: EventSink) -> str | None:
     """Wait for the job's GPUs on a shared cluster (orchestrator/service/scheduler.py)."""
     from tenax.orchestrator.service.scheduler import wait_for_gpus
-    from tenax.workers.events import Event
+    from tenax.workers import Event
 
     return wait_for_gpus(spec, lambda kind, **f: sink(Event.make(kind, **f).to_dict()))
 
@@ -138,7 +141,7 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tenax.orchestrator.job.controller import Controller, JobState
+    from tenax.orchestrator.job.controller import Controller, ControllerOptions, JobState
 
     chaos = parse_chaos(chaos_spec)
     validate_for_job(chaos, spec.resources.world_size, spec.resources.nodes, spec.train.steps)
@@ -153,7 +156,7 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
             sink.close()
             console.print(f"Job {spec.name} not started: {escape(why)}.")
             return 1
-        controller = Controller(spec, chaos, sink)
+        controller = Controller(spec, ControllerOptions(on_event=sink, chaos=chaos))
         metrics = None
         if metrics_port:
             from tenax.orchestrator.job.metrics import serve_metrics

@@ -7,18 +7,25 @@
     RECOVERING | replan -> PLACING
     any        | cancel -> CANCELLED
 
-(`tenax.orchestrator.job.states.state_diagram()` prints this from the table; a test keeps them equal.)
+(`tenax.orchestrator.job.states.state_diagram()` prints this from the table; a test keeps them
+equal.)
 
 One loop iteration: drain the inbox (cancel, scale, node-lost reports from other threads),
-observe (poll heartbeats, collect node probes; the ranks' records are accounted for in
-`rank_records`), take one immutable `JobSnapshot`, ask `policies.decide` for a `Decision`, run
-its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the next
-poll, a request or a training process's end. The controller never decides by itself; PLACING's
-decision is the outcome of placing (a layout from `ScalingPolicy`, then start, or a failure for
-`restart_or_fail`).
-Every state has a deadline from the spec (`states.DEADLINES`). Ranks resume from the newest
-committed checkpoint (resharded into the new layout) inside `run_rank`; since data order and
-init depend only on (seed, sample index, name), a resumed run reproduces the clean losses.
+observe (poll heartbeats, collect node probes; the ranks' records are accounted for by
+`JobProgress`), take one immutable `JobSnapshot`, ask `job_policy.decide` for a `JobDecision`,
+run its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the
+next poll, a request or a training process's end. The controller never decides by itself;
+PLACING's decision is the outcome of placing (a layout from `ScalingPolicy`, then start, or a
+failure for `restart_or_fail`).
+Every state has a deadline (`states.DEADLINES`) from the job's `Timeouts`, which are derived
+once from the spec and handed to everything that waits. Ranks resume from the newest committed
+checkpoint (resharded into the new layout) inside the rank loop; since data order and init
+depend only on (seed, sample index, name), a resumed run reproduces the clean losses.
+
+What a caller decides (job id, event sink, drills, the scheduler's allotment, where capacity is
+counted) arrives in `ControllerOptions` at construction; afterwards the controller's fields are
+its own: other threads post requests (`cancel`, `scale`, `preempt`, `report_node_lost`), add
+listeners (`subscribe`, `add_observer`) or, from a signal handler, `note_interrupt`.
 """
 from __future__ import annotations
 
@@ -26,73 +33,64 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-import ray
-
+from tenax.orchestrator.chaos.driver import ChaosDriver
 from tenax.orchestrator.job.facts import Recovery, Rescaling
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
 from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
                                           ScaleRequest)
-from tenax.orchestrator.job.job_policy import (STARTUP_HANG_FACTOR, Action, Capacity, Decision,
-                                               JobSnapshot, Limits, NodeLossPolicy, ScalingPolicy,
+from tenax.orchestrator.job.job_policy import (Capacity, JobAction, JobDecision, JobSnapshot,
+                                               Limits, NodeLossPolicy, ScalingPolicy,
                                                allotted_capacity, decide, preempt_decision,
                                                restart_or_fail)
-from tenax.orchestrator.job.progress import absorb
-from tenax.orchestrator.job.states import DEADLINES, JobState, next_state
-from tenax.orchestrator.placement.capacity import cluster_capacity
+from tenax.orchestrator.job.options import ControllerOptions, Observer, Subscriber
+from tenax.orchestrator.job.progress import JobProgress
+from tenax.orchestrator.job.states import JobState, next_state, state_deadline_s
 from tenax.orchestrator.placement.placer import PLACEMENT_ERRORS, Placer
 from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
-from tenax.parallel.layout import ParallelLayout
-from tenax.workers.events import Event
+from tenax.parallel import ParallelLayout
+from tenax.workers import Event
 
 logger = logging.getLogger(__name__)
 
 CAPACITY_CHECK_S = 2.0  # how often a running job looks for nodes that joined (cheap GCS call)
 
-__all__ = ["Controller", "JobState"]
+__all__ = ["Controller", "ControllerOptions", "JobState"]
 
 
 class Controller:
-    def __init__(self, spec: JobSpec, chaos: list[Any] | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None,
-                 job_id: str | None = None) -> None:
-        self.spec, self.limits = spec, Limits.from_spec(spec)
-        self.job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
-        self.subscribers: list[Callable[[dict[str, Any]], None]] = [on_event] if on_event else []
+    """One job's control loop (`run`), fed by requests from any thread; see the module doc."""
+
+    def __init__(self, spec: JobSpec, options: ControllerOptions | None = None) -> None:
+        options = options or ControllerOptions()
+        self.spec, self.options, self.limits = spec, options, Limits.from_spec(spec)
+        self.timeouts = self.limits.timeouts
+        self.job_id = options.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        self.subscribers: list[Subscriber] = [options.on_event] if options.on_event else []
+        self.observers: list[Observer] = []  # called after every heartbeat poll (metrics)
         self.inbox, self._wake = Inbox(), threading.Event()
-        self.state, self.state_since = JobState.PENDING, time.monotonic()
+        self.state, self.state_since, self.cause = JobState.PENDING, time.monotonic(), ""
         self.group: WorkerGroup | None = None
         self.layout: ParallelLayout | None = None
-        self.restarts, self.lost_steps, self.cause = 0, 0, ""
-        self.step, self.loss, self.max_step_seen, self.stepped = 0, None, 0, False
-        self._target_nodes, self.cancel_requested = spec.resources.nodes, False
-        self.interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
+        self.restarts, self.cancel_requested, self.preempt_reason = 0, False, ""
+        self._target_nodes = spec.resources.nodes
+        self._interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
-        self.recovery = Recovery()
-        self.rank_faults: list[dict[str, Any]] = []  # drills the ranks inject (chaos driver)
-        self.ledger: Any = None
-        self.head_node = ""
-        self.goodput = Goodput(self.state_since)
+        self.recovery, self.rescaling = Recovery(), Rescaling()
+        self.progress = JobProgress(self.job_id, Goodput(self.state_since))
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
-        self.rescaling = Rescaling()
         # Placing and starting actors on a loaded host can take longer than a step may hang;
         # it gets the same allowance as a rank that is still starting.
-        self.placer = Placer(self.job_id, spec,
-                             STARTUP_HANG_FACTOR * spec.fault_tolerance.hang_timeout_s)
-        self.capacity_limit: Callable[[], int] | None = None  # tenax serve: nodes allotted
-        self.preempt_reason = ""  # tenax serve: stop at a boundary and end, to be requeued
-        self.stragglers = StragglerTracker.from_spec(spec.fault_tolerance)
+        self.placer = Placer(self.job_id, spec, self.timeouts.startup_s)
+        ft = spec.fault_tolerance
+        self.stragglers = StragglerTracker(ft.straggler_threshold, ft.straggler_action,
+                                           self.timeouts.heartbeat_interval_s)
         self.new_flags: tuple[StragglerFlag, ...] = ()
-        # Called after every heartbeat poll with (controller, records), e.g. metrics.observe.
-        self.observers: list[Callable[["Controller", list[dict[str, Any]]], None]] = []
-        self.chaos = None
-        if chaos:
-            from tenax.orchestrator.chaos.driver import ChaosDriver
-
-            self.chaos = ChaosDriver(chaos)
+        self.chaos = ChaosDriver(options.chaos) if options.chaos else None
+        if self.chaos is not None:
             self.chaos.attach(self)
 
     # ---- requests (any thread) ---------------------------------------------------------------
@@ -117,17 +115,40 @@ class Controller:
     def report_node_lost(self, block: int, reason: str) -> None:
         self.inbox.post(NodeLostReport(block, reason))
 
-    def set_rank_faults(self, faults: list[dict[str, Any]], ledger: Any) -> None:
-        """Drills for the ranks to inject, and the ledger where they claim them."""
-        self.rank_faults, self.ledger = list(faults), ledger
+    def note_interrupt(self, by: str) -> None:
+        """Name what the next KeyboardInterrupt in `run()` stands for (e.g. "SIGTERM"). Safe in a
+        signal handler: one attribute store, where posting to the inbox would take a lock the
+        interrupted loop may hold."""
+        self._interrupted_by = by
 
-    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+    def subscribe(self, callback: Subscriber) -> None:
         self.subscribers.append(callback)
 
+    def add_observer(self, callback: Observer) -> None:
+        """Call `callback(controller, records)` after every heartbeat poll (e.g. metrics)."""
+        self.observers.append(callback)
+
+    # ---- figures (any thread) ----------------------------------------------------------------
     @property
     def target_nodes(self) -> int:
         pending = self.inbox.pending_scale()
         return self._target_nodes if pending is None else pending
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def loss(self) -> float | None:
+        return self.progress.loss
+
+    @property
+    def lost_steps(self) -> int:
+        return self.progress.lost_steps
+
+    @property
+    def goodput(self) -> Goodput:
+        return self.progress.goodput
 
     @property
     def controller_chaos_fired(self) -> set[str]:
@@ -141,7 +162,7 @@ class Controller:
                 self.step_once()
         except KeyboardInterrupt:
             self.cancel_requested = True
-            self._transition(JobState.CANCELLED, f"interrupted ({self.interrupted_by})")
+            self._transition(JobState.CANCELLED, f"interrupted ({self._interrupted_by})")
         finally:
             self._stop_group()
         return self.state
@@ -157,7 +178,7 @@ class Controller:
         else:
             records = self._observe()
             decision = decide(self._snapshot())
-            if decision.action == Action.CONTINUE and not records:
+            if decision.action == JobAction.CONTINUE and not records:
                 self._idle()
         self._execute(decision)
 
@@ -178,7 +199,7 @@ class Controller:
 
     def _observe(self) -> list[dict[str, Any]]:
         """Gather this state's facts: heartbeats and records, or node probe answers."""
-        interval = self.spec.fault_tolerance.heartbeat_interval_s
+        interval = self.timeouts.heartbeat_interval_s
         if self.state == JobState.RECOVERING:
             if not self.recovery.probes.started:
                 self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()),
@@ -188,7 +209,7 @@ class Controller:
         if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:
             return []
         records = self.group.poll(interval)
-        absorb(self, records)
+        self._account(records)
         self.new_flags = tuple(self.stragglers.observe(records, self.layout.world_size))
         for flag in self.new_flags:
             self.publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
@@ -196,6 +217,16 @@ class Controller:
         for observe in self.observers:
             observe(self, records)
         return records
+
+    def _account(self, records: list[dict[str, Any]]) -> None:
+        """The ranks' records: progress and goodput, the events they carry, and the end of a
+        rescale or a recovery that rank 0's start closes."""
+        for notice in self.progress.absorb(records, self.layout, self.rescaling, self.recovery):
+            self.publish(notice.event, **notice.fields)
+            if notice.closes == "rescale":
+                self.rescaling = Rescaling()
+            elif notice.closes == "recovery":
+                self.recovery.failed_at = None
 
     def _snapshot(self) -> JobSnapshot:
         now, rec = time.monotonic(), self.recovery
@@ -209,10 +240,10 @@ class Controller:
             self.next_capacity_check = now + CAPACITY_CHECK_S
             capacity = self.capacity().nodes
         world = self.layout.world_size if self.layout else 0
-        deadline = 0.0 if self.state.terminal else DEADLINES[self.state].seconds(self.spec.fault_tolerance)
         return JobSnapshot(
             ranks=ranks, restarts=self.restarts, limits=self.limits, state=self.state.value,
-            state_age_s=now - self.state_since, state_deadline_s=deadline,
+            state_age_s=now - self.state_since,
+            state_deadline_s=state_deadline_s(self.state, self.timeouts),
             cancel_requested=self.cancel_requested, stragglers=self.new_flags,
             capacity_nodes=capacity, current_nodes=-(-world // self.limits.gpus_per_node),
             target_nodes=self._target_nodes,
@@ -225,7 +256,7 @@ class Controller:
     def _idle(self) -> None:
         """Nothing new: until the next heartbeat poll, a request, or a training process's end."""
         if self.state in (JobState.RUNNING, JobState.RESCALING):
-            wait_s = max(0.0, self.spec.fault_tolerance.heartbeat_interval_s - 0.05)
+            wait_s = self.timeouts.idle_s
             if self.group is not None:
                 self.group.wait_for_change(wait_s, self._wake)
             else:
@@ -233,12 +264,12 @@ class Controller:
             self._wake.clear()
 
     # ---- executors ---------------------------------------------------------------------------
-    def _execute(self, decision: Decision) -> None:
+    def _execute(self, decision: JobDecision) -> None:
         new = next_state(self.state, decision.action)
-        executor = {Action.SUBMIT: self._submit, Action.RESTART: self._on_failure,
-                    Action.FAIL: self._on_failure, Action.SUCCEED: self._on_success,
-                    Action.RESCALE: self._begin_rescale, Action.REPLAN: self._replan,
-                    Action.CANCEL: lambda d: self._stop_group()}.get(decision.action)
+        executor = {JobAction.RESTART: self._on_failure, JobAction.FAIL: self._on_failure,
+                    JobAction.SUCCEED: self._on_success, JobAction.RESCALE: self._begin_rescale,
+                    JobAction.REPLAN: self._replan,
+                    JobAction.CANCEL: lambda d: self._stop_group()}.get(decision.action)
         if executor is not None:
             executor(decision)
         if new != self.state:
@@ -264,15 +295,11 @@ class Controller:
         for callback in list(self.subscribers):
             callback(doc)
 
-    def _submit(self, decision: Decision) -> None:
-        # The driver runs on the head node; a `kill node` drill must never take it down.
-        self.head_node = ray.get_runtime_context().get_node_id()
-
-    def _place(self) -> Decision:
+    def _place(self) -> JobDecision:
         """PLACING's executor: plan a layout for the capacity, place and start the ranks."""
         plan = ScalingPolicy().make_decision(self.spec, self.capacity(), self._target_nodes)
-        if plan.layout is None:
-            return Decision(Action.FAIL, plan.reason)
+        if plan.action == JobAction.FAIL or plan.layout is None:
+            return JobDecision(JobAction.FAIL, plan.reason)
         logger.info("job %s: layout decision: %s", self.job_id, plan.reason)
         self.layout = plan.layout
         try:
@@ -284,14 +311,14 @@ class Controller:
         self.publish("placed", layout=plan.layout.degrees(), world_size=plan.layout.world_size,
                      reason=plan.reason, nodes=[h.node_id for h in self.group.ranks],
                      ips=[h.ip for h in self.group.ranks], **reuse)
-        return Decision(Action.START, f"started {plan.layout.describe()} "
-                        f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
+        return JobDecision(JobAction.START, f"started {plan.layout.describe()} "
+                           f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
 
     def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
         """Place and start (orchestrator/placement/placer.py); a failure leaves no group behind."""
+        drill = self.chaos.for_ranks() if self.chaos is not None else None  # None: production
         try:
-            placed = self.placer.place(self.group, layout, self.rank_faults, self.ledger,
-                                       self.head_node)
+            placed = self.placer.place(self.group, layout, drill)
         except PLACEMENT_ERRORS:
             self.group = None
             raise
@@ -300,30 +327,30 @@ class Controller:
             self.publish("snapshots_off", reason=placed.notice)
         return placed.reuse
 
-    def _on_failure(self, decision: Decision) -> None:
+    def _on_failure(self, decision: JobDecision) -> None:
         """RESTART and FAIL: report the root cause; keep the facts RECOVERING decides from."""
         rec = self.recovery
         rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
         rec.health = tuple(self.group.health()) if self.group is not None else ()
         rec.probes.reset()
         if decision.failed_ranks:
-            self.publish("failure", step=self.max_step_seen, rank=decision.failed_ranks[0],
-                         ranks=list(decision.failed_ranks), cause=decision.reason,
-                         kind=decision.cause_kind)
-        if decision.action == Action.FAIL or decision.cause_kind == "placement":
-            self._stop_group(keep_snapshots=decision.action != Action.FAIL)  # restart cold
+            self.publish("failure", step=self.progress.max_step_seen,
+                         rank=decision.failed_ranks[0], ranks=list(decision.failed_ranks),
+                         cause=decision.reason, kind=decision.cause_kind)
+        if decision.action == JobAction.FAIL or decision.cause_kind == "placement":
+            self._stop_group(keep_snapshots=decision.action != JobAction.FAIL)  # restart cold
 
-    def _on_success(self, decision: Decision) -> None:
-        extra = {} if self.stepped else {"already_complete": True}
+    def _on_success(self, decision: JobDecision) -> None:
+        extra = {} if self.progress.stepped else {"already_complete": True}
         self.publish("done", step=self.step, loss=self.loss, restarts=self.restarts,
                      lost_steps=self.lost_steps, goodput=self.goodput.summary(), **extra)
 
-    def _begin_rescale(self, decision: Decision) -> None:
+    def _begin_rescale(self, decision: JobDecision) -> None:
         self.rescaling.since, self.rescaling.old = time.monotonic(), self.layout
         for h in self.group.ranks:
             h.actor.request_stop.remote()
 
-    def _replan(self, decision: Decision) -> None:
+    def _replan(self, decision: JobDecision) -> None:
         """REPLAN: after RESCALING the ranks stopped cleanly; after RECOVERING drop the lost
         nodes and count the restart."""
         if self.state == JobState.RESCALING:
@@ -341,14 +368,14 @@ class Controller:
     def _stop_group(self, keep_snapshots: bool = False) -> None:
         if self.group is not None:
             if not keep_snapshots:  # the job ends: nothing will resume from them
-                self.group.drop_snapshots(self.spec.fault_tolerance.heartbeat_timeout_s)
+                self.group.drop_snapshots(self.timeouts.probe_s)
             self.group.shutdown()
             self.group = None
 
     # ---- capacity and status -----------------------------------------------------------------
     def capacity(self) -> Capacity:
-        return allotted_capacity(cluster_capacity(self.limits.gpus_per_node, self.lost_slots),
-                                 self.capacity_limit)
+        counted = self.options.cluster_capacity(self.limits.gpus_per_node, self.lost_slots)
+        return allotted_capacity(counted, self.options.capacity_limit)
 
     def status(self) -> dict[str, Any]:
         return {"job": self.job_id, "state": self.state.value, "step": self.step, "loss": self.loss,

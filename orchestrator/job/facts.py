@@ -8,16 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenax.orchestrator.job.job_policy import Decision
+from tenax.orchestrator.job.job_policy import JobDecision
 from tenax.orchestrator.placement.capacity import NodeProbes
-from tenax.parallel.layout import ParallelLayout
+from tenax.parallel import ParallelLayout
 
 
 @dataclass
 class Recovery:
     """What RECOVERING decides from: the failure, rank health when it was decided (heartbeat
     ages must not keep growing while nobody polls), node-lost reports, node probes."""
-    failure: Decision | None = None
+    failure: JobDecision | None = None
     health: tuple[Any, ...] = ()
     failed_at: float | None = None  # the first failure since the last resumed step
     reported_lost: set[int] = field(default_factory=set)

@@ -46,11 +46,11 @@ host's (tests/test_health.py). Measured on the bench's recordings, the noise bou
 rank's busy time measures CPU starvation, not its speed, and no threshold helps (README).
 z = 3.09 flagged a healthy rank in 1 of 80 trials recorded at load 10-13, hence 3.29. The
 threshold adds the user's margin on top: a rank k× slower scores 1/k, so threshold t flags
-slowdowns above 1/t (0.9: above 1.11×); README, Stragglers, has the bench's table, the load
+slowdowns above 1/t (0.9: above 1.11×); docs/operations.md, Stragglers, has the bench's table, the load
 it was measured under and why the default is 0.9.
 Its action comes from `fault_tolerance.straggler_action`: `ignore` (score metric only),
 `alert` (a `straggler` event and a warning; the default) or `evict` (the controller restarts
-the job without that rank's node and re-plans the layout; `policies.EvictionPolicy` decides
+the job without that rank's node and re-plans the layout; `job_policy.EvictionPolicy` decides
 whether it may).
 """
 from __future__ import annotations
@@ -212,12 +212,6 @@ class StragglerTracker:
         self.history: deque[dict[int, tuple[float, ...]]] = deque(maxlen=NOISE_WINDOWS)
         self._window: _Window | None = None
         self._seen: set[int] = set()  # ranks whose warm-up step was skipped
-
-    @classmethod
-    def from_spec(cls, fault_tolerance: Any) -> "StragglerTracker":
-        return cls(fault_tolerance.straggler_threshold,
-                   getattr(fault_tolerance, "straggler_action", "alert"),
-                   fault_tolerance.heartbeat_interval_s)
 
     def reset(self) -> None:
         self.scores, self.flagged, self._window, self._seen = {}, set(), None, set()

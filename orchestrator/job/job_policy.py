@@ -1,14 +1,17 @@
 """Pure decisions: given one immutable snapshot of the job, say what to do and why.
 
 The controller gathers facts (rank health, node probe answers, restarts, capacity, requests
-from the inbox) into a `JobSnapshot`, asks `decide`, and only executes the `Decision` it gets
-back. Keeping the decisions pure makes every one of them table-testable without Ray and keeps
-every reason in one place, where it is logged. `max_restarts` is read here and nowhere else.
+from the inbox) into a `JobSnapshot`, asks `decide`, and only executes the `JobDecision` it gets
+back: a `JobAction` and its reason, plus the facts its executor needs. Keeping the decisions
+pure makes every one of them table-testable without Ray and keeps every reason in one place,
+where it is logged. `max_restarts` is read here and nowhere else. (The service's scheduler has
+the same shape: `SchedulingAction`, `SchedulingDecision`, `decide(snapshot)`.)
 
-Timeouts are the spec's named fields: `heartbeat_timeout_s` (no answer to heartbeats: the
-process or node is gone), `hang_timeout_s` (answers, but its step does not advance). A rank
-still starting (building the model, loading a checkpoint) gets twice `hang_timeout_s` before
-it counts as stuck, because loading a large checkpoint legitimately takes longer than a step.
+Timeouts come from the job's `Timeouts` (`tenax.orchestrator.timeouts`) in `Limits`:
+`heartbeat_timeout_s` (no answer to heartbeats: the process or node is gone), `hang_timeout_s`
+(answers, but its step does not advance). A rank still starting (building the model, loading a
+checkpoint) gets `startup_s` (twice `hang_timeout_s`) before it counts as stuck, because loading
+a large checkpoint legitimately takes longer than a step.
 
 Rank end states: `done` (reached train.steps), `stopped` (committed a requested boundary
 checkpoint and exited), `failed` (an error or its process died), gone (`dead` actor or silent
@@ -18,24 +21,25 @@ can no longer come.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
 
 from tenax.orchestrator.placement.capacity import Capacity
+from tenax.orchestrator.timeouts import STARTUP_HANG_FACTOR, Timeouts
 
 if TYPE_CHECKING:
     from tenax.orchestrator.job.health import StragglerFlag
     from tenax.orchestrator.placement.worker_group import RankHealth
-    from tenax.parallel.layout import ParallelLayout
+    from tenax.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-STARTUP_HANG_FACTOR = 2.0
 ENDED = ("done", "stopped")
 
 
-class Action(str, Enum):
+class JobAction(str, Enum):
+    """What the controller does next; `states.TRANSITIONS` says which state each one leads to."""
     SUBMIT = "submit"
     START = "start"
     CONTINUE = "continue"
@@ -51,17 +55,16 @@ class Action(str, Enum):
 class Limits:
     """The spec fields the policies decide with (built once per job by `from_spec`)."""
     max_restarts: int
-    heartbeat_timeout_s: float
-    hang_timeout_s: float
     gpus_per_node: int
     min_nodes: int = 1
     max_nodes: int = 1
+    timeouts: Timeouts = Timeouts()
 
     @classmethod
     def from_spec(cls, spec: Any) -> "Limits":
-        ft, r = spec.fault_tolerance, spec.resources
-        return cls(ft.max_restarts, ft.heartbeat_timeout_s, ft.hang_timeout_s, r.gpus_per_node,
-                   r.min_nodes, r.max_nodes)
+        r = spec.resources
+        return cls(spec.fault_tolerance.max_restarts, r.gpus_per_node, r.min_nodes, r.max_nodes,
+                   Timeouts.from_spec(spec))
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,8 @@ class JobSnapshot:
 
 
 @dataclass(frozen=True)
-class Decision:
-    action: Action
+class JobDecision:
+    action: JobAction
     reason: str
     failed_ranks: tuple[int, ...] = ()  # the root-cause rank first
     cause_kind: str = ""  # dead | heartbeat | hang | error | straggler | placement | rescale
@@ -97,16 +100,14 @@ class Decision:
     probe: tuple[str, ...] = ()  # RECOVERING: nodes to probe before deciding what is lost
 
 
-FailureDecision = Decision  # the name earlier callers use
-
-
 def restart_or_fail(reason: str, restarts: int, limits: Limits, failed: tuple[int, ...] = (),
-                    kind: str = "error", lost: tuple[tuple[str, int], ...] = ()) -> Decision:
+                    kind: str = "error", lost: tuple[tuple[str, int], ...] = ()) -> JobDecision:
     """The one place `max_restarts` is read: a failure restarts the job until it is spent."""
     if restarts >= limits.max_restarts:
-        return Decision(Action.FAIL, f"{reason}; max_restarts={limits.max_restarts} exhausted",
-                        failed, kind, lost)
-    return Decision(Action.RESTART, reason, failed, kind, lost)
+        return JobDecision(JobAction.FAIL,
+                           f"{reason}; max_restarts={limits.max_restarts} exhausted",
+                           failed, kind, lost)
+    return JobDecision(JobAction.RESTART, reason, failed, kind, lost)
 
 
 def rank_problem(r: "RankHealth", limits: Limits,
@@ -114,9 +115,11 @@ def rank_problem(r: "RankHealth", limits: Limits,
     """(priority, rank, kind, reason) of one rank's failure; lower priority = closer to root."""
     if r.dead:
         return 0, r.rank, "dead", f"rank {r.rank} died ({r.dead})"
-    if r.heartbeat_age_s > limits.heartbeat_timeout_s:
-        return 1, r.rank, "heartbeat", (f"rank {r.rank} missed heartbeats for {r.heartbeat_age_s:.1f} s "
-                                        f"(heartbeat_timeout_s={limits.heartbeat_timeout_s})")
+    t = limits.timeouts
+    if r.heartbeat_age_s > t.heartbeat_timeout_s:
+        return 1, r.rank, "heartbeat", (f"rank {r.rank} missed heartbeats for "
+                                        f"{r.heartbeat_age_s:.1f} s "
+                                        f"(heartbeat_timeout_s={t.heartbeat_timeout_s})")
     if r.state == "failed" and (r.error or "").startswith("rank process"):
         # The process itself died (signal, exit code): a root cause, unlike its peers' errors.
         return 0, r.rank, "dead", f"rank {r.rank} died: {r.error}"
@@ -124,16 +127,18 @@ def rank_problem(r: "RankHealth", limits: Limits,
         return 3, r.rank, "error", f"rank {r.rank} failed: {r.error}"
     if r.state == "stopped" and not stopped_ok:
         return 3, r.rank, "error", f"rank {r.rank} stopped although no stop was requested"
-    limit = limits.hang_timeout_s * (STARTUP_HANG_FACTOR if r.state == "starting" else 1.0)
+    limit = t.startup_s if r.state == "starting" else t.hang_timeout_s
     if r.state in ("training", "starting") and r.step_age_s > limit:
         what = "step" if r.state == "training" else "start-up"
-        return 2, r.rank, "hang", (f"rank {r.rank} hung: {what} did not advance for {r.step_age_s:.1f} s "
-                                   f"(limit {limit:.0f} s from hang_timeout_s={limits.hang_timeout_s})")
+        return 2, r.rank, "hang", (f"rank {r.rank} hung: {what} did not advance for "
+                                   f"{r.step_age_s:.1f} s "
+                                   f"(limit {limit:.0f} s from hang_timeout_s={t.hang_timeout_s})")
     return None
 
 
-def _failure(snap: JobSnapshot, stopped_ok: bool) -> Decision | None:
-    problems = sorted(p for p in (rank_problem(r, snap.limits, stopped_ok) for r in snap.ranks) if p)
+def _failure(snap: JobSnapshot, stopped_ok: bool) -> JobDecision | None:
+    found = (rank_problem(r, snap.limits, stopped_ok) for r in snap.ranks)
+    problems = sorted(p for p in found if p)
     if not problems:
         return None
     _, root_rank, kind, root = problems[0]
@@ -145,21 +150,22 @@ def _failure(snap: JobSnapshot, stopped_ok: bool) -> Decision | None:
 class FailurePolicy:
     """Continue, succeed, restart (within max_restarts) or fail, from rank health alone."""
 
-    def make_decision(self, snap: JobSnapshot) -> Decision:
+    def make_decision(self, snap: JobSnapshot) -> JobDecision:
         if snap.ranks and all(r.state == "done" for r in snap.ranks):
-            return Decision(Action.SUCCEED, "every rank reached train.steps")
-        return _failure(snap, stopped_ok=False) or Decision(Action.CONTINUE, "all ranks healthy")
+            return JobDecision(JobAction.SUCCEED, "every rank reached train.steps")
+        healthy = JobDecision(JobAction.CONTINUE, "all ranks healthy")
+        return _failure(snap, stopped_ok=False) or healthy
 
 
 class RescalePolicy:
     """RESCALING: every rank must end (stopped at the boundary, or done) within the deadline."""
 
-    def make_decision(self, snap: JobSnapshot) -> Decision:
+    def make_decision(self, snap: JobSnapshot) -> JobDecision:
         if snap.ranks and all(r.state == "done" for r in snap.ranks):
-            return Decision(Action.SUCCEED, "every rank reached train.steps before the stop")
+            return JobDecision(JobAction.SUCCEED, "every rank reached train.steps before the stop")
         if snap.ranks and all(r.state in ENDED and not r.dead for r in snap.ranks):
             stopped = [r.step for r in snap.ranks if r.state == "stopped"]
-            return Decision(Action.REPLAN, f"all ranks stopped at step {max(stopped)}")
+            return JobDecision(JobAction.REPLAN, f"all ranks stopped at step {max(stopped)}")
         failure = _failure(snap, stopped_ok=True)
         if failure is not None:
             return failure
@@ -169,14 +175,14 @@ class RescalePolicy:
                                    f"stop within {snap.state_deadline_s:.0f} s "
                                    f"({STARTUP_HANG_FACTOR:g} x hang_timeout_s)",
                                    snap.restarts, snap.limits, tuple(waiting), "rescale")
-        return Decision(Action.CONTINUE, "waiting for the ranks to stop at a step boundary")
+        return JobDecision(JobAction.CONTINUE, "waiting for the ranks to stop at a step boundary")
 
 
 class EvictionPolicy:
     """`straggler_action: evict`: restart without the straggler's node-sized block of ranks
     (placement packs ranks [k*g, (k+1)*g) on one node), unless that would stop the job."""
 
-    def make_decision(self, snap: JobSnapshot) -> Decision | None:
+    def make_decision(self, snap: JobSnapshot) -> JobDecision | None:
         flag = next((f for f in snap.stragglers if f.action == "evict"), None)
         if flag is None:
             return None
@@ -185,11 +191,13 @@ class EvictionPolicy:
         peers = range(block * g, min((block + 1) * g, len(nodes)))
         ranks = (flag.rank,) + tuple(r for r in peers if r != flag.rank)
         node = nodes[flag.rank]
-        reason = f"rank {flag.rank} is a straggler (score {flag.score:.2f}): evicting its node {node[:8]}"
-        if snap.restarts >= snap.limits.max_restarts or snap.capacity_nodes - 1 < snap.limits.min_nodes:
+        reason = (f"rank {flag.rank} is a straggler (score {flag.score:.2f}): "
+                  f"evicting its node {node[:8]}")
+        lim = snap.limits
+        if snap.restarts >= lim.max_restarts or snap.capacity_nodes - 1 < lim.min_nodes:
             logger.warning("not evicting: %s; no restart or node to spare", reason)
             return None
-        return Decision(Action.RESTART, reason, ranks, "straggler", ((node, len(ranks)),))
+        return JobDecision(JobAction.RESTART, reason, ranks, "straggler", ((node, len(ranks)),))
 
 
 def _blocks(snap: JobSnapshot) -> list[tuple[int, list["RankHealth"]]]:
@@ -222,7 +230,7 @@ class NodeLossPolicy:
         different polls), so the failure may name only some of them; RECOVERING polls no
         heartbeats, so for a block already quiet at the failure (every rank past half the
         timeout) the time since counts too, while its node answers no probe."""
-        limit = snap.limits.heartbeat_timeout_s
+        limit = snap.limits.timeouts.heartbeat_timeout_s
         ages = [r.heartbeat_age_s for r in block]
         if all(a > limit for a in ages):
             return True
@@ -230,12 +238,13 @@ class NodeLossPolicy:
             return False
         return all(a > limit / 2 and a + snap.state_age_s > limit for a in ages)
 
-    def make_decision(self, snap: JobSnapshot) -> Decision:
+    def make_decision(self, snap: JobSnapshot) -> JobDecision:
         certain = {block[0].node_id for k, block in _blocks(snap)
                    if block and self._certain(snap, k, block)}
         pending = set(snap.probed) - set(snap.answered) - set(snap.refused)
         if pending - certain and snap.state_age_s <= snap.state_deadline_s:
-            return Decision(Action.CONTINUE, f"waiting for {len(pending - certain)} node probe(s)")
+            return JobDecision(JobAction.CONTINUE,
+                               f"waiting for {len(pending - certain)} node probe(s)")
         lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
         for _, block in _blocks(snap):
             node = block[0].node_id if block else ""
@@ -244,59 +253,55 @@ class NodeLossPolicy:
                                                (whole and node in pending)):
                 lost[node] = len(block)
         gone = "; ".join(f"node {n[:8]} lost ({s} slot(s))" for n, s in lost.items())
-        reason = f"restart {snap.restarts + 1}/{snap.limits.max_restarts} after: {snap.failure_reason}"
-        return Decision(Action.REPLAN, reason + (f"; {gone}" if gone else ""),
+        reason = (f"restart {snap.restarts + 1}/{snap.limits.max_restarts} after: "
+                  f"{snap.failure_reason}")
+        return JobDecision(JobAction.REPLAN, reason + (f"; {gone}" if gone else ""),
                         snap.failed_ranks, lost_nodes=tuple(lost.items()))
 
 
 @dataclass(frozen=True)
-class RescaleDecision:
-    rescale: bool
-    nodes: int
-    reason: str
-
-
-@dataclass(frozen=True)
 class ScaleDecision:
-    layout: "ParallelLayout | None"
-    nodes: int
+    """PLACING's plan: START on `layout` (`nodes` nodes), or FAIL when there is none."""
+    action: JobAction
     reason: str
-    runners_up: list[str] = field(default_factory=list)
+    layout: "ParallelLayout | None" = None
+    nodes: int = 0
+    runners_up: tuple[str, ...] = ()
 
 
-def wants_rescale(snap: JobSnapshot) -> RescaleDecision:
-    """Whether a running job should re-plan now: the target moved, or nodes joined that bring
-    it closer to the target. (Nodes that leave show up as failed ranks instead.)"""
+def wants_rescale(snap: JobSnapshot) -> JobDecision:
+    """RESCALE when a running job should re-plan now: the target moved, or nodes joined that
+    bring it closer to the target. (Nodes that leave show up as failed ranks instead.)"""
     lim = snap.limits
     want = min(max(snap.target_nodes, lim.min_nodes), lim.max_nodes)
     reachable = min(want, snap.capacity_nodes)
     if reachable == snap.current_nodes or snap.capacity_nodes <= 0:
-        return RescaleDecision(False, snap.current_nodes, "at the reachable target")
+        return JobDecision(JobAction.CONTINUE, "at the reachable target")
     if reachable < snap.current_nodes:
-        return RescaleDecision(True, reachable, f"target {want} node(s): shrinking from "
-                               f"{snap.current_nodes} to {reachable}")
-    return RescaleDecision(True, reachable, f"target {want} node(s), {snap.capacity_nodes} "
-                           f"available: growing from {snap.current_nodes} to {reachable}")
+        return JobDecision(JobAction.RESCALE, f"target {want} node(s): shrinking from "
+                           f"{snap.current_nodes} to {reachable}")
+    return JobDecision(JobAction.RESCALE, f"target {want} node(s), {snap.capacity_nodes} "
+                       f"available: growing from {snap.current_nodes} to {reachable}")
 
 
-def decide(snap: JobSnapshot) -> Decision:
+def decide(snap: JobSnapshot) -> JobDecision:
     """The decision for the snapshot's state (PLACING's comes from placing: see controller)."""
     if snap.cancel_requested:
-        return Decision(Action.CANCEL, "cancel requested")
+        return JobDecision(JobAction.CANCEL, "cancel requested")
     if snap.state == "PENDING":
-        return Decision(Action.SUBMIT, f"submitted: target {snap.target_nodes} node(s) x "
-                        f"{snap.limits.gpus_per_node} GPUs")
+        return JobDecision(JobAction.SUBMIT, f"submitted: target {snap.target_nodes} node(s) x "
+                           f"{snap.limits.gpus_per_node} GPUs")
     if snap.state == "RESCALING":
         return RescalePolicy().make_decision(snap)
     if snap.state == "RECOVERING":
         return NodeLossPolicy().make_decision(snap)
     decision = FailurePolicy().make_decision(snap)
-    if decision.action == Action.CONTINUE:
+    if decision.action == JobAction.CONTINUE:
         decision = EvictionPolicy().make_decision(snap) or decision
-    if decision.action == Action.CONTINUE and snap.capacity_nodes:
+    if decision.action == JobAction.CONTINUE and snap.capacity_nodes:
         want = wants_rescale(snap)
-        if want.rescale:
-            return Decision(Action.RESCALE, want.reason + "; checkpointing at the next step")
+        if want.action == JobAction.RESCALE:
+            return JobDecision(JobAction.RESCALE, want.reason + "; checkpointing at the next step")
     return decision
 
 
@@ -311,13 +316,14 @@ class ScalingPolicy:
 
     def make_decision(self, spec: Any, capacity: Capacity, target_nodes: int) -> ScaleDecision:
         from tenax.orchestrator.spec import plan_for_spec
-        from tenax.parallel.planner import PlanError
+        from tenax.parallel import PlanError
 
         r = spec.resources
         nodes = min(max(target_nodes, r.min_nodes), r.max_nodes, capacity.nodes)
         if nodes < r.min_nodes:
-            return ScaleDecision(None, nodes, f"only {capacity.nodes} node(s) available, "
-                                 f"below resources.min_nodes={r.min_nodes} {capacity.detail}".strip())
+            why = (f"only {capacity.nodes} node(s) available, "
+                   f"below resources.min_nodes={r.min_nodes} {capacity.detail}")
+            return ScaleDecision(JobAction.FAIL, why.strip(), nodes=nodes)
         tried = []
         for world in range(nodes * r.gpus_per_node, 0, -1):
             try:
@@ -331,9 +337,9 @@ class ScalingPolicy:
             why = f"{plan.layout.describe()} on {world} GPUs of {nodes} node(s): {plan.best.reason}"
             if tried:
                 why += f" (could not use more GPUs: {tried[0]})"
-            return ScaleDecision(plan.layout, used_nodes, why, tried)
-        return ScaleDecision(None, nodes, "no valid layout on the available GPUs: " +
-                             "; ".join(tried[:3]), tried)
+            return ScaleDecision(JobAction.START, why, plan.layout, used_nodes, tuple(tried))
+        return ScaleDecision(JobAction.FAIL, "no valid layout on the available GPUs: " +
+                             "; ".join(tried[:3]), nodes=nodes, runners_up=tuple(tried))
 
 
 # ---- the service's requests, as the job decides them -------------------------------------
@@ -346,14 +352,14 @@ def allotted_capacity(capacity: Capacity, limit: Callable[[], int] | None) -> Ca
 
 
 def preempt_decision(state: str, placed: bool, reason: str,
-                     cancel_requested: bool) -> Decision | None:
+                     cancel_requested: bool) -> JobDecision | None:
     """A preempted job stops like a planned rescale (boundary checkpoint, 0 lost steps), then
     ends instead of re-placing (the service requeues it); a job that is not training just ends."""
     if not reason or cancel_requested or state in ("SUCCEEDED", "FAILED", "CANCELLED"):
         return None
     why = f"preempted: {reason}"
     if state == "RUNNING" and placed:
-        return Decision(Action.RESCALE, f"{why}; checkpointing at the next step")
+        return JobDecision(JobAction.RESCALE, f"{why}; checkpointing at the next step")
     if state == "RESCALING":
         return None  # RescalePolicy finishes the stop; in PLACING the job then ends
-    return Decision(Action.CANCEL, why)
+    return JobDecision(JobAction.CANCEL, why)

@@ -7,7 +7,8 @@ Why this shape:
   job or an old group's ranks is just dropping state (no stale label sets left in a registry).
 - `JobMetrics` is fed two ways: controller events (`on_event`: step, state, placed, failure,
   recovered, checkpoint...) and `observe(controller, records)`, which the controller calls after
-  every heartbeat poll with the group's rank handles (last heartbeat reply, status, death).
+  every heartbeat poll (`add_observer`) with the group's rank handles (last heartbeat reply,
+  status, death).
 - Heartbeat age is computed at scrape time from the controller's monotonic clock, so a dead or
   silent rank shows `tenax_rank_up 0` and an age that keeps growing even while the controller is
   busy re-forming the group; the old group's rank series disappear when a new group is placed.
@@ -42,7 +43,7 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")
 JOB_STATES = ("PENDING", "QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESCALING", "SUCCEEDED",
               "FAILED", "CANCELLED")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
-# FailureDecision.cause_kind values, plus placement retries and straggler evictions; exported
+# JobDecision.cause_kind values, plus placement retries and straggler evictions; exported
 # at 0 from the start so that increase() sees the first restart.
 RESTART_REASONS = ("dead", "heartbeat", "hang", "error", "placement", "straggler")
 RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -50,26 +51,34 @@ RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 
 # name -> (type, labels, help). The pinned contract; tests compare the scrape against it.
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tenax_rank_up": ("gauge", RANK, "1 while the rank answers heartbeats and has not failed"),
-    "tenax_rank_heartbeat_age_seconds": ("gauge", RANK, "Seconds since the rank's last heartbeat reply"),
+    "tenax_rank_heartbeat_age_seconds": ("gauge", RANK,
+                                         "Seconds since the rank's last heartbeat reply"),
     "tenax_rank_step": ("gauge", RANK, "Last optimizer step the rank completed"),
     "tenax_rank_tokens_per_second": ("gauge", RANK, "Rank tokens per second of its own busy time"),
     "tenax_rank_step_seconds": ("gauge", RANK, "Wall time of the rank's last step"),
-    "tenax_rank_straggler_score": ("gauge", RANK, "Rank busy-time throughput / median of the job's ranks, last window"),
-    "tenax_job_state": ("gauge", JOB + ("state",), "1 for the job's current state, 0 for the others"),
+    "tenax_rank_straggler_score": ("gauge", RANK, "Rank busy-time throughput / median of the "
+                                   "job's ranks, last window"),
+    "tenax_job_state": ("gauge", JOB + ("state",),
+                        "1 for the job's current state, 0 for the others"),
     "tenax_job_step": ("gauge", JOB, "Last completed optimizer step"),
     "tenax_job_loss": ("gauge", JOB, "Loss of the last step (mean token loss of the global batch)"),
     "tenax_job_tokens_per_second": ("gauge", JOB, "Global batch tokens / wall step time"),
     "tenax_job_world_size": ("gauge", JOB, "Ranks in the current layout"),
     "tenax_job_layout_info": ("gauge", JOB + LAYOUT_KEYS, "Current parallel layout (value 1)"),
-    "tenax_job_restarts_total": ("counter", JOB + ("reason",), "Restarts of the worker group by cause"),
-    "tenax_job_recovery_seconds": ("histogram", JOB, "Seconds from failure detection to training resumed"),
+    "tenax_job_restarts_total": ("counter", JOB + ("reason",),
+                                 "Restarts of the worker group by cause"),
+    "tenax_job_recovery_seconds": ("histogram", JOB,
+                                   "Seconds from failure detection to training resumed"),
     "tenax_job_lost_steps_total": ("counter", JOB, "Steps recomputed after failures"),
     "tenax_job_goodput_ratio": ("gauge", JOB, "Productive training time / wall time since submit"),
-    "tenax_checkpoint_save_blocked_seconds": ("gauge", JOB, "Training time blocked by the last save"),
+    "tenax_checkpoint_save_blocked_seconds": ("gauge", JOB,
+                                              "Training time blocked by the last save"),
     "tenax_checkpoint_save_seconds": ("gauge", JOB, "Total duration of the last committed save"),
     "tenax_checkpoint_load_seconds": ("gauge", JOB, "Duration of the last checkpoint load"),
-    "tenax_checkpoint_last_committed_step": ("gauge", JOB, "Step of the newest committed checkpoint"),
-    "tenax_checkpoint_failures_total": ("counter", JOB, "Checkpoint saves that failed (not pinned)"),
+    "tenax_checkpoint_last_committed_step": ("gauge", JOB,
+                                             "Step of the newest committed checkpoint"),
+    "tenax_checkpoint_failures_total": ("counter", JOB,
+                                        "Checkpoint saves that failed (not pinned)"),
     # tenax serve's scheduler (exported by a server only)
     "tenax_queue_jobs": ("gauge", ("priority",), "Jobs waiting in the queue, by priority"),
     "tenax_job_queued_seconds": ("gauge", JOB, "Seconds the job has waited in the queue in all"),
@@ -128,7 +137,8 @@ class JobMetrics:
     def _on_step(self, e: Mapping[str, Any]) -> None:
         self.step, self.loss = e["step"], e.get("loss", math.nan)
         self.tokens_per_s = e.get("tokens_per_s", 0.0)
-        self.world_size, self.layout = e.get("world_size", self.world_size), e.get("layout", self.layout)
+        self.world_size = e.get("world_size", self.world_size)
+        self.layout = e.get("layout", self.layout)
 
     def _on_state(self, e: Mapping[str, Any]) -> None:
         self.state = e["state"]
@@ -187,7 +197,8 @@ class JobMetrics:
         status = handle.status or {}
         rank = self.ranks.get(handle.rank)
         if rank is None:
-            rank = self.ranks[handle.rank] = _Rank(node=handle.node_id, last_reply=handle.last_reply)
+            rank = _Rank(node=handle.node_id, last_reply=handle.last_reply)
+            self.ranks[handle.rank] = rank
         rank.node, rank.last_reply = handle.node_id or rank.node, handle.last_reply
         rank.down = handle.dead is not None or status.get("state") == "failed"
         rank.step = int(status.get("step", rank.step) or 0)
@@ -324,14 +335,14 @@ class MetricsServer:
 
 def attach(collector: TenaxCollector, controller: Any, sink: Any = None) -> JobMetrics:
     """Register a controller's job: its events through `sink.extra`, its polls as observer."""
-    ft = controller.spec.fault_tolerance
     source = getattr(controller, "goodput", None)
     goodput = (lambda: float(source.summary()["goodput"])) if source is not None else None
-    job = collector.add_job(controller.job_id, heartbeat_timeout_s=ft.heartbeat_timeout_s,
+    job = collector.add_job(controller.job_id,
+                            heartbeat_timeout_s=controller.timeouts.heartbeat_timeout_s,
                             goodput=goodput)
     if sink is not None:
         sink.extra.append(job.on_event)
-    controller.observers.append(job.observe)
+    controller.add_observer(job.observe)
     return job
 
 

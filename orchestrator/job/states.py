@@ -6,8 +6,9 @@ whole state machine; the controller looks the next state up and refuses any pair
 in it. The diagram in the controller's docstring is `state_diagram()`'s output, and a test
 checks that the two agree, so the picture cannot drift from the code.
 
-Deadlines: every non-terminal state has a bound taken from a named spec field and a way out
-when it passes (`DEADLINES`), so no wait is unbounded:
+Deadlines: every non-terminal state has a bound taken from the job's `Timeouts` (derived once
+from the spec's `fault_tolerance` fields, `tenax.orchestrator.timeouts`) and a way out when it
+passes (`DEADLINES`), so no wait is unbounded:
 - PENDING and RECOVERING decide in one pass (RECOVERING's node probes run concurrently and are
   bounded by `heartbeat_timeout_s`);
 - PLACING's placement and start calls each time out after STARTUP_HANG_FACTOR ×
@@ -22,8 +23,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
-from tenax.orchestrator.job.job_policy import STARTUP_HANG_FACTOR, Action
+from tenax.orchestrator.job.job_policy import JobAction
+from tenax.orchestrator.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,8 @@ class JobState(str, Enum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
-S, A = JobState, Action
-TRANSITIONS: dict[JobState, dict[Action, JobState]] = {
+S, A = JobState, JobAction
+TRANSITIONS: dict[JobState, dict[JobAction, JobState]] = {
     S.PENDING: {A.SUBMIT: S.PLACING, A.CANCEL: S.CANCELLED},
     S.PLACING: {A.START: S.RUNNING, A.RESTART: S.RECOVERING, A.FAIL: S.FAILED,
                 A.CANCEL: S.CANCELLED},
@@ -56,7 +59,7 @@ TRANSITIONS: dict[JobState, dict[Action, JobState]] = {
 }
 
 
-def next_state(state: JobState, action: Action) -> JobState:
+def next_state(state: JobState, action: JobAction) -> JobState:
     """The table's answer; a ValueError names the pair the table does not allow."""
     try:
         return TRANSITIONS[state][action]
@@ -67,26 +70,25 @@ def next_state(state: JobState, action: Action) -> JobState:
 
 @dataclass(frozen=True)
 class Deadline:
-    """How long a state may last (a spec field times a factor) and where its end leads."""
-    field: str
-    factor: float
+    """How long a state may last (one of the job's `Timeouts`) and where its end leads."""
+    seconds: Callable[[Timeouts], float]
     way_out: str
 
-    def seconds(self, fault_tolerance: object) -> float:
-        return self.factor * float(getattr(fault_tolerance, self.field))
 
-
+EXHAUSTED = "RECOVERING, or FAILED when restarts are exhausted"
 DEADLINES: dict[JobState, Deadline] = {
-    S.PENDING: Deadline("heartbeat_timeout_s", 0.0, "PLACING at once"),
-    S.PLACING: Deadline("hang_timeout_s", STARTUP_HANG_FACTOR,
-                        "placement error: RECOVERING, or FAILED when restarts are exhausted"),
-    S.RUNNING: Deadline("hang_timeout_s", 1.0,
-                        "a rank without progress: RECOVERING, or FAILED when restarts are exhausted"),
-    S.RESCALING: Deadline("hang_timeout_s", STARTUP_HANG_FACTOR,
-                          "ranks that did not stop: RECOVERING, or FAILED when restarts are exhausted"),
-    S.RECOVERING: Deadline("heartbeat_timeout_s", 1.0,
+    S.PENDING: Deadline(lambda t: 0.0, "PLACING at once"),
+    S.PLACING: Deadline(lambda t: t.startup_s, f"placement error: {EXHAUSTED}"),
+    S.RUNNING: Deadline(lambda t: t.hang_timeout_s, f"a rank without progress: {EXHAUSTED}"),
+    S.RESCALING: Deadline(lambda t: t.startup_s, f"ranks that did not stop: {EXHAUSTED}"),
+    S.RECOVERING: Deadline(lambda t: t.probe_s,
                            "unanswered node probes count as lost nodes: PLACING"),
 }
+
+
+def state_deadline_s(state: JobState, timeouts: Timeouts) -> float:
+    """The state's deadline in seconds (0 for a terminal state: nothing is waited for)."""
+    return 0.0 if state.terminal else DEADLINES[state].seconds(timeouts)
 
 
 def state_diagram() -> str:
@@ -95,8 +97,9 @@ def state_diagram() -> str:
     lines = []
     for state, moves in TRANSITIONS.items():
         arrows = ", ".join(f"{action.value} -> {target.value}" for action, target in moves.items()
-                           if target != state and action != Action.CANCEL)
+                           if target != state and action != JobAction.CANCEL)
         lines.append(f"{state.value:<10} | {arrows}")
-    cancellable = all(moves.get(Action.CANCEL) == JobState.CANCELLED for moves in TRANSITIONS.values())
+    cancellable = all(moves.get(JobAction.CANCEL) == JobState.CANCELLED
+                      for moves in TRANSITIONS.values())
     lines.append(f"{'any':<10} | cancel -> CANCELLED" if cancellable else "")
     return "\n".join(line for line in lines if line)

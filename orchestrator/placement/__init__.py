@@ -1,0 +1,27 @@
+"""tenax.orchestrator.placement — where a job's ranks run and where they resume from.
+
+- `WorkerGroup`: one Ray agent per GPU slot in STRICT_PACK placement groups; heartbeats
+  (`RankHealth`), start, stop, shutdown.
+- `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
+- Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?).
+- Recovery source: `choose_recovery_source` (pure: memory, replica or storage) over
+  `SnapshotPiece`s into a `RecoverySource`; `MemoryRecovery`, `MemoryStart`.
+- Host memory: `plan_snapshot_memory` (do in-memory snapshots fit the nodes?),
+  `ray_node_memory_bytes`.
+
+Names resolve lazily (PEP 562).
+"""
+from __future__ import annotations
+
+from tenax.faces import lazy_face
+
+_MODULES = {
+    "worker_group": ("RankHealth", "WorkerGroup"),
+    "placer": ("PLACEMENT_ERRORS", "Placer"),
+    "capacity": ("Capacity", "NodeProbes", "cluster_capacity"),
+    "recovery_policy": ("RecoverySource", "SnapshotPiece", "choose_recovery_source"),
+    "recovery": ("MemoryRecovery", "MemoryStart"),
+    "host_memory": ("plan_snapshot_memory", "ray_node_memory_bytes"),
+}
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

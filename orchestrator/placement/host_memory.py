@@ -19,46 +19,56 @@ SAFE_FRACTION = 0.5: the snapshots may use at most half of a node's Ray `memory`
 
 A job whose snapshots do not fit is never refused and never risks an OOM-killed node: it runs
 with in-memory snapshots off (storage checkpoints as before) and the controller says so once,
-with this module's reason. The controller calls `plan_snapshot_memory` at placement (every
+with this module's reason. The placer calls `plan_snapshot_memory` at placement (every
 layout, since the state per rank changes with the layout) with `ray_node_memory_bytes` of the
 placement's nodes. When node memory is unknown (Ray did not answer within the timeout, or no
 node reports `memory`), nothing is checked and the snapshots stay on; the reason says so.
+
+The plan is the one place `checkpoint.memory_every_steps` is read: its `every_steps` (a
+snapshot every N steps, 0: none) goes down to the ranks as it is (MemoryStart, RankRun,
+MemoryOptions), and nothing below decides again.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Union
 
-from tenax.parallel.host_memory import human_bytes, snapshot_footprint
-from tenax.parallel.layout import ParallelLayout
-from tenax.workers.spec import JobSpec
+from tenax.parallel import ParallelLayout, human_bytes, snapshot_footprint
+from tenax.workers import JobSpec
 
 logger = logging.getLogger(__name__)
 
 SAFE_FRACTION = 0.5
 FIELD = "checkpoint.memory_every_steps"
 RAY_TIMEOUT_S = 2.0
+NodeMemory = Union[Mapping[str, float], float, None]  # node id -> bytes, one figure, unknown
 
 
 @dataclass(frozen=True)
 class SnapshotMemoryPlan:
     """enabled: take in-memory snapshots. per_rank_bytes: one rank's snapshot state (the size
     of one buffer). per_node_peak_bytes: the most host memory they take on one node. Both are
-    what the snapshots need (0 when checkpoint.memory_every_steps=0), also when disabled."""
+    what the snapshots need (0 when checkpoint.memory_every_steps=0), also when disabled.
+    requested_every: checkpoint.memory_every_steps, what the job asks for."""
     enabled: bool
     per_node_peak_bytes: int
     per_rank_bytes: int
     reason: str
+    requested_every: int = 0
+
+    @property
+    def every_steps(self) -> int:
+        """The decision the ranks execute: a snapshot every N steps (0: none)."""
+        return self.requested_every if self.enabled else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "per_node_peak_bytes": self.per_node_peak_bytes,
                 "per_rank_bytes": self.per_rank_bytes, "reason": self.reason}
 
 
-def _smallest(node_memory_bytes: Mapping[str, float] | float | None
-              ) -> tuple[str, float] | None:
+def _smallest(node_memory_bytes: NodeMemory) -> tuple[str, float] | None:
     """(where, bytes) of the smallest node; None when unknown. Bad figures are errors."""
     if node_memory_bytes is None:
         return None
@@ -74,22 +84,26 @@ def _smallest(node_memory_bytes: Mapping[str, float] | float | None
 
 
 def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
-                         node_memory_bytes: Mapping[str, float] | float | None
+                         node_memory_bytes: NodeMemory | Callable[[], NodeMemory]
                          ) -> SnapshotMemoryPlan:
     """Whether `layout`'s in-memory snapshots fit the smallest node (<= SAFE_FRACTION of its
-    memory). node_memory_bytes: node id -> Ray `memory` bytes, one figure for every node, or
-    None (unknown: not checked). Pure: no Ray."""
+    memory), and every how many steps to take them. node_memory_bytes: node id -> Ray `memory`
+    bytes, one figure for every node, or None (unknown: not checked); or a function returning
+    one, called only when the job asks for snapshots (reading Ray's figures is a GCS call).
+    Pure: no Ray of its own."""
     every = spec.checkpoint.memory_every_steps
     if every == 0:
         return SnapshotMemoryPlan(False, 0, 0, f"{FIELD}=0")
     gpn = spec.resources.gpus_per_node
     foot = snapshot_footprint(spec.model.args(), layout, gpn, every, spec.train.dtype)
     peak, state = foot.per_node_peak_bytes, foot.rank_state_bytes
+    if callable(node_memory_bytes):
+        node_memory_bytes = node_memory_bytes()
     smallest = _smallest(node_memory_bytes)
     if smallest is None:
         return SnapshotMemoryPlan(True, peak, state, f"{FIELD}={every}: node memory unknown "
                                   f"(Ray reported none); {human_bytes(peak)} peak per node "
-                                  f"not checked")
+                                  f"not checked", every)
     where, memory = smallest
     limit = SAFE_FRACTION * memory
     copies = foot.per_rank_peak_bytes // state if state else 0
@@ -102,9 +116,9 @@ def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
                   f"in-memory snapshots off (storage checkpoints only). Add host memory or "
                   f"nodes, raise parallel.zero, or set {FIELD}=0")
         logger.info("%s", reason)  # the controller publishes it once, as a warning event
-        return SnapshotMemoryPlan(False, peak, state, reason)
+        return SnapshotMemoryPlan(False, peak, state, reason, every)
     return SnapshotMemoryPlan(True, peak, state,
-                              f"{FIELD}={every}: in-memory snapshots fit: {need} <= {have}")
+                              f"{FIELD}={every}: in-memory snapshots fit: {need} <= {have}", every)
 
 
 def _alive_memory(nodes: Iterable[Mapping[str, Any]], wanted: set[str] | None

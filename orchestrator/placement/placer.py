@@ -5,6 +5,9 @@ processes; only slots whose actor or node died get new actors. Cold fallback: a 
 Before anything is torn down, the recovery-source policy sees what every live agent holds
 (orchestrator/placement/recovery.py), so a step kept in memory survives the re-placement. Every
 placement is a new snapshot generation: pieces of one generation form one layout's step.
+Whether the ranks take in-memory snapshots, and every how many steps, is decided here once per
+placement (orchestrator/placement/host_memory.py) and handed down as it is. A drill's
+rank-side faults (`RankChaos`, None in production) ride along to every agent.
 """
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ from typing import Any
 
 import ray
 
-from tenax.orchestrator.placement.host_memory import plan_snapshot_memory, ray_node_memory_bytes
+from tenax.orchestrator.errors import PlacementError
+from tenax.orchestrator.placement.host_memory import (SnapshotMemoryPlan, plan_snapshot_memory,
+                                                      ray_node_memory_bytes)
 from tenax.orchestrator.placement.recovery import MemoryRecovery, MemoryStart, PreparedRestore
-from tenax.orchestrator.placement.worker_group import PlacementError, WorkerGroup
-from tenax.parallel.layout import ParallelLayout
+from tenax.orchestrator.placement.worker_group import WorkerGroup
+from tenax.parallel import ParallelLayout
+from tenax.workers import RankChaos
 
 logger = logging.getLogger(__name__)
 
@@ -37,35 +43,36 @@ class Placer:
         self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
         self.gpus_per_node = spec.resources.gpus_per_node
         self.generation = 0
-        self.wanted = spec.checkpoint.memory_every_steps > 0
-        self.snapshots_on, self.told_off = self.wanted, False
+        self.snapshots: SnapshotMemoryPlan | None = None  # the newest placement's decision
+        self.told_off = False
         self.memory = MemoryRecovery(job_id, spec.checkpoint.uri,
                                      spec.fault_tolerance.heartbeat_timeout_s, timeout_s)
 
     def _plan_memory(self, layout: ParallelLayout) -> str:
-        """Snapshots only where they fit the nodes' memory (never an OOM-killed node); the
-        reason they are off is returned the first time only."""
-        if not self.wanted:
-            return ""
-        plan = plan_snapshot_memory(self.spec, layout, ray_node_memory_bytes())
-        self.snapshots_on = plan.enabled
-        if plan.enabled or self.told_off:
+        """Decide this placement's snapshots: only where they fit the nodes' memory (never an
+        OOM-killed node); the reason they are off is returned the first time only."""
+        plan = self.snapshots = plan_snapshot_memory(self.spec, layout, ray_node_memory_bytes)
+        if plan.enabled or not plan.requested_every or self.told_off:
             return ""
         self.told_off = True
         logger.warning("job %s: in-memory snapshots off: %s", self.job_id, plan.reason)
         return plan.reason
 
-    def place(self, group: WorkerGroup | None, layout: ParallelLayout, faults: list[Any],
-              ledger: Any, head_node: str) -> Placed:
-        """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail."""
+    def place(self, group: WorkerGroup | None, layout: ParallelLayout,
+              chaos: RankChaos | None = None) -> Placed:
+        """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail.
+        `chaos`: a drill's rank-side faults for every rank (None in production)."""
         if group is not None:  # survivors' processes go first: none may write a snapshot
             group.stop_training(self.timeout_s)  # while it is read, and the CPU is the recovery's
+        # Whether the job asks for snapshots does not change with the layout: the last
+        # placement's plan says (a group exists only after a placement)
+        requested = self.snapshots is not None and self.snapshots.requested_every > 0
         prepared = self.memory.prepare(group.live_holders(), group.kept_nodes(layout)) \
-            if group is not None and self.wanted else None
+            if group is not None and requested else None
         notice = self._plan_memory(layout)
         self.generation += 1
         group = group or WorkerGroup(self.job_id, self.gpus_per_node)
-        run = (layout, faults, ledger, head_node, prepared)
+        run = (layout, chaos, prepared)
         try:
             reuse, source = self._create_and_start(group, *run)
             return Placed(group, {**reuse, "mode": "warm" if reuse["reused"] else "cold"}, source,
@@ -85,12 +92,13 @@ class Placer:
             raise
         return Placed(group, {**reuse, "mode": "cold"}, source, notice)
 
-    def _create_and_start(self, group: WorkerGroup, layout: ParallelLayout, faults: list[Any],
-                          ledger: Any, head_node: str,
+    def _create_and_start(self, group: WorkerGroup, layout: ParallelLayout,
+                          chaos: RankChaos | None,
                           prepared: PreparedRestore | None) -> tuple[dict[str, Any], str]:
         reuse = group.create(layout, self.timeout_s)
         uris = self.memory.assemble(prepared, group.ranks)
         source = prepared.decision.source if prepared is not None and uris else "storage"
-        memory = MemoryStart(self.job_id, self.generation, self.snapshots_on, uris)
-        group.start(self.spec.to_dict(), faults, ledger, self.timeout_s, head_node, memory)
+        every = self.snapshots.every_steps if self.snapshots is not None else 0
+        memory = MemoryStart(self.job_id, self.generation, every, uris)
+        group.start(self.spec.to_dict(), self.timeout_s, memory, chaos)
         return reuse, source

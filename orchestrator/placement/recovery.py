@@ -43,7 +43,7 @@ class MemoryStart:
     """What the ranks of one placement need: snapshot series, and where to resume from."""
     job_id: str
     generation: int
-    snapshots: bool  # take per-step snapshots (and replicate them across nodes)
+    snapshot_every: int  # the placement's decision: every N steps (0: none), replicated if on
     restore_uris: dict[str, str] = field(default_factory=dict)  # node id -> assembled version
 
 
@@ -109,8 +109,7 @@ class MemoryRecovery:
 
     def storage_step(self) -> int | None:
         """The newest committed step under checkpoint.uri (None if none or unreadable)."""
-        from tenax.checkpoint.format.catalog import Catalog
-        from tenax.checkpoint.format.storage import Storage
+        from tenax.checkpoint import Catalog, Storage
 
         try:
             steps = Catalog(Storage(self.checkpoint_uri, timeout_s=self.probe_s)).committed_steps()

@@ -26,9 +26,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tenax.orchestrator.errors import PlacementError
 from tenax.orchestrator.placement.recovery import MemoryStart
-from tenax.parallel.layout import ParallelLayout
-from tenax.workers.worker import RankRun, RankWorker
+from tenax.parallel import ParallelLayout
+from tenax.workers import RankChaos, RankRun, RankWorker
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ logger = logging.getLogger(__name__)
 AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
 WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
 WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
-
-
-class PlacementError(RuntimeError):
-    """The GPUs asked for could not be placed within the timeout."""
 
 
 @dataclass
@@ -117,7 +114,8 @@ class WorkerGroup:
     def _new_block(self, index: int) -> dict[str, Any]:
         bundle = {"GPU": 1.0, "CPU": self.cpus_per_rank}
         pg = placement_group([dict(bundle) for _ in range(self.gpus_per_node)],
-                             strategy="STRICT_PACK", name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
+                             strategy="STRICT_PACK",
+                             name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
         return {"pg": pg, "slots": [], "lost": False, "index": index}
 
     def _new_actor(self, pg: Any, index: int) -> RankHandle:
@@ -165,21 +163,22 @@ class WorkerGroup:
         return list(dict.fromkeys(h.node_id for h in self.ranks))
 
     # ---- run ---------------------------------------------------------------------------------
-    def start(self, spec: dict[str, Any], chaos: list[dict[str, Any]], ledger: Any,
-              timeout_s: float, head_node: str = "",
-              memory: MemoryStart | None = None) -> tuple[str, int]:
-        """Rendezvous on rank 0's node and (re)start every rank's training process."""
+    def start(self, spec: dict[str, Any], timeout_s: float, memory: MemoryStart | None = None,
+              chaos: RankChaos | None = None) -> tuple[str, int]:
+        """Rendezvous on rank 0's node and (re)start every rank's training process.
+        `chaos`: a drill's rank-side faults, handed to every agent (None in production)."""
         self.stop_training(timeout_s)
         addr = self.ranks[0].ip
         port = ray.get(self.ranks[0].actor.free_port.remote(), timeout=timeout_s)
         refs = []
         for h in self.ranks:
             run = RankRun(spec, self.layout.to_dict(), h.rank, len(self.ranks), addr, port,
-                          self.gpus_per_node, chaos, ledger, node_killable=h.node_id != head_node)
+                          node_id=h.node_id, chaos=chaos)
             if memory is not None:
                 run = replace(run, job_id=memory.job_id, generation=memory.generation,
+                              snapshot_every=memory.snapshot_every,
                               restore_uri=memory.restore_uris.get(h.node_id),
-                              peer=self.peer_of(h.rank) if memory.snapshots else None)
+                              peer=self.peer_of(h.rank) if memory.snapshot_every > 0 else None)
             refs.append(h.actor.start.remote(run))
         attempts = ray.get(refs, timeout=timeout_s)
         now = time.monotonic()

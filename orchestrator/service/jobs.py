@@ -19,21 +19,21 @@ import threading
 import uuid
 from typing import Any, Callable
 
-from tenax.checkpoint.format.catalog import Catalog, CatalogError
-from tenax.checkpoint.format.storage import Storage
-from tenax.orchestrator.job.controller import Controller
+from tenax.checkpoint import Catalog, CatalogError, Storage
+from tenax.orchestrator.errors import StorageRootError, StoreError, SubmitError
+from tenax.orchestrator.job.controller import Controller, ControllerOptions
 from tenax.orchestrator.service.scheduler import Dispatcher
-from tenax.orchestrator.service.storage_roots import StorageRootError, StorageRoots, overlapping
-from tenax.orchestrator.service.store import JobRecord, JobStore, StoreError
-from tenax.orchestrator.service.submission import (SubmitError, connect_ray, default_gpu_slots,
-                                                   parse_submission, spec_json_of)
+from tenax.orchestrator.service.storage_roots import StorageRoots, overlapping
+from tenax.orchestrator.service.store import JobRecord, JobStore
+from tenax.orchestrator.service.submission import (connect_ray, default_gpu_slots, parse_submission,
+                                                   spec_json_of)
 from tenax.orchestrator.spec import JobSpec, SpecError, spec_from_dict
-from tenax.workers.events import stamp
+from tenax.workers import stamp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobManager", "JobRunner", "SubmitError", "connect_ray", "default_gpu_slots",
-           "parse_submission", "spec_json_of"]
+__all__ = ["JobManager", "JobRunner", "connect_ray", "default_gpu_slots", "parse_submission",
+           "spec_json_of"]
 
 STORAGE_TIMEOUT_S = 15.0
 DETACH_TIMEOUT_S = 30.0
@@ -56,8 +56,8 @@ class JobRunner:
         self.allotted, self.order = allotted or spec.resources.nodes, order
         self.preempting, self.requeue = "", False
         self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
-        self.controller = Controller(spec, None, self._on_event, job_id)
-        self.controller.capacity_limit = self.allotment
+        self.controller = Controller(spec, ControllerOptions(
+            job_id=job_id, on_event=self._on_event, capacity_limit=self.allotment))
         self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
 
     def allotment(self) -> int:
@@ -165,7 +165,8 @@ class JobManager:
             raise SubmitError(str(err), "invalid") from None
         uri = spec.checkpoint.uri
         with self._lock:  # two spellings of one directory (or one inside the other) conflict
-            busy = [job for job, s in self._unfinished_specs() if overlapping(s.checkpoint.uri, uri)]
+            busy = [job for job, s in self._unfinished_specs()
+                    if overlapping(s.checkpoint.uri, uri)]
             if busy:
                 raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
                                   f"job {busy[0]}; give each job a checkpoint.uri of its own",

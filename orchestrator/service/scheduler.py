@@ -1,7 +1,8 @@
 """Executes the scheduler's decisions in `tenax serve`: the queue, allotments, events, autoscaler.
 
-The policy (orchestrator/service/scheduling_policy.py) is pure; this module gathers its snapshot (the queue,
-every admitted job's allotment and placement, the Ray cluster's GPU slots) and carries out what
+The policy (orchestrator/service/scheduling_policy.py) is pure; this module gathers its
+snapshot (the queue, every admitted job's allotment and placement, the Ray cluster's GPU slots)
+and carries out what
 it returns: admit (start a controller limited to its allotment), refuse/expire (FAILED with the
 reason), shrink/grow (change the allotment: the controller's capacity check then runs the same
 planned re-plan as `tenax scale`), preempt (a planned stop at a checkpoint boundary; the job's
@@ -20,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tenax.orchestrator.service.scheduling_policy import (ADMIT, EXPIRE, GROW, PREEMPT, REFUSE,
-                                                          SHRINK, WAIT, Cluster, Decision, JobView,
-                                                          Snapshot, decide, never_fits)
-from tenax.workers.events import stamp
+from tenax.orchestrator.service.scheduling_policy import (Cluster, JobView, SchedulingAction,
+                                                          SchedulingDecision, SchedulingSnapshot,
+                                                          decide, never_fits)
+from tenax.workers import stamp
 
 if TYPE_CHECKING:
     from tenax.orchestrator.service.jobs import JobManager
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+A = SchedulingAction
 TICK_S = 1.0
-RAY_CALL_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -111,15 +112,15 @@ class Dispatcher:
         self._withdraw()
 
     # ---- one pass --------------------------------------------------------------------------
-    def tick(self) -> list[Decision]:
+    def tick(self) -> list[SchedulingDecision]:
         with self.lock:
             cluster = cluster_now(self.largest)
             if cluster is None or self.manager.stopping.is_set():  # no Ray, or shutting down
                 return []
-            decisions = decide(Snapshot(self._views(), cluster))
+            decisions = decide(SchedulingSnapshot(self._views(), cluster))
             for d in decisions:
-                if d.kind != WAIT:
-                    logger.info("scheduler: %s %s: %s", d.kind, d.job_id, d.reason)
+                if d.action != A.WAIT:
+                    logger.info("scheduler: %s %s: %s", d.action.value, d.job_id, d.reason)
                 self._apply(d)
             self._autoscale(decisions)
             return decisions
@@ -137,17 +138,17 @@ class Dispatcher:
                                  runner.holds(), r.preemptible, runner.preempting))
         return tuple(views)
 
-    def _apply(self, d: Decision) -> None:
-        if d.kind == WAIT:
+    def _apply(self, d: SchedulingDecision) -> None:
+        if d.action == A.WAIT:
             self._wait(d)
-        elif d.kind == ADMIT:
+        elif d.action == A.ADMIT:
             entry = self.queue.pop(d.job_id)
             waited = entry.waited_s + time.monotonic() - entry.since
             self.queued_s[d.job_id] = waited
             self.manager.record(d.job_id, {"event": "admitted", "job": d.job_id, "nodes": d.nodes,
                                            "queued_s": round(waited, 3), "reason": d.reason})
             self.manager.start_runner(d.job_id, entry.spec, d.nodes)
-        elif d.kind in (REFUSE, EXPIRE):
+        elif d.action in (A.REFUSE, A.EXPIRE):
             entry = self.queue.pop(d.job_id)
             self.queued_s[d.job_id] = entry.waited_s + time.monotonic() - entry.since
             self.manager.record(d.job_id, {"event": "state", "state": "FAILED", "job": d.job_id,
@@ -155,7 +156,7 @@ class Dispatcher:
         else:
             self._resize(d)
 
-    def _wait(self, d: Decision) -> None:
+    def _wait(self, d: SchedulingDecision) -> None:
         entry = self.queue[d.job_id]
         entry.position, entry.waiting_for = d.position, d.reason
         if not entry.announced:
@@ -165,19 +166,19 @@ class Dispatcher:
             self.manager.record(d.job_id, {"event": "state", "state": "QUEUED", "job": d.job_id,
                                            "reason": f"position {d.position}: {d.reason}"})
 
-    def _resize(self, d: Decision) -> None:
+    def _resize(self, d: SchedulingDecision) -> None:
         runner = self.manager.runners[d.job_id]
-        kind = {SHRINK: "shrunk", GROW: "grown", PREEMPT: "preempted"}[d.kind]
+        kind = {A.SHRINK: "shrunk", A.GROW: "grown", A.PREEMPT: "preempted"}[d.action]
         old, runner.allotted = runner.allotted, d.nodes
         event = {"event": kind, "job": d.job_id, "from_nodes": old, "nodes": d.nodes,
                  "reason": d.reason}
         runner.record(stamp(event))
-        if d.kind == PREEMPT:
+        if d.action == A.PREEMPT:
             runner.preempt(d.reason)
 
-    def _autoscale(self, decisions: list[Decision]) -> None:
+    def _autoscale(self, decisions: list[SchedulingDecision]) -> None:
         """Ask for every admitted job's bundles plus the waiting jobs' missing ones."""
-        waiting = [d for d in decisions if d.kind == WAIT and d.missing_gpus > 0]
+        waiting = [d for d in decisions if d.action == A.WAIT and d.missing_gpus > 0]
         bundles: list[dict[str, float]] = []
         if waiting:
             for runner in self.manager.active_runners():

@@ -3,7 +3,9 @@
 Why pure: which job runs, waits, shrinks or is preempted is the decision users argue about, so
 it lives in one place, is table-testable without Ray, and every decision carries its reason
 (logged, stored as an event, shown by `tenax watch`/`tenax status`). The service
-(orchestrator/service/scheduler.py) gathers the snapshot and executes the decisions.
+(orchestrator/service/scheduler.py) gathers the snapshot and executes the decisions. Same shape
+as the job's policy (orchestrator/job/job_policy.py): an action enum (`SchedulingAction`), a
+frozen `SchedulingDecision` with its action and reason, a pure `decide(snapshot)`.
 
 Rules, in order:
 - GPU accounting: free GPUs = the cluster's GPU slots minus what admitted jobs hold; a job
@@ -24,11 +26,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from enum import Enum
 
 logger = logging.getLogger(__name__)
 
-ADMIT, REFUSE, EXPIRE, WAIT = "admit", "refuse", "expire", "wait"
-SHRINK, GROW, PREEMPT = "shrink", "grow", "preempt"
+
+class SchedulingAction(str, Enum):
+    """What the scheduler does with one job this pass."""
+    ADMIT = "admit"
+    REFUSE = "refuse"
+    EXPIRE = "expire"
+    WAIT = "wait"
+    SHRINK = "shrink"
+    GROW = "grow"
+    PREEMPT = "preempt"
+
+
+A = SchedulingAction
 
 
 @dataclass(frozen=True)
@@ -72,16 +86,17 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class SchedulingSnapshot:
+    """Every job the service knows (queued and admitted) and the cluster, at one moment."""
     jobs: tuple[JobView, ...]
     cluster: Cluster
 
 
 @dataclass(frozen=True)
-class Decision:
-    kind: str  # admit | refuse | expire | wait | shrink | grow | preempt
-    job_id: str
+class SchedulingDecision:
+    action: SchedulingAction
     reason: str
+    job_id: str
     nodes: int = 0  # admit/shrink/grow: the new allotment
     position: int = 0  # wait: 1-based place in the queue
     missing_gpus: int = 0  # wait: GPUs it still lacks (what the autoscaler is asked for)
@@ -105,26 +120,28 @@ def queue_order(jobs: tuple[JobView, ...]) -> list[JobView]:
     return sorted((j for j in jobs if not j.running), key=JobView.key)
 
 
-def decide(snap: Snapshot) -> list[Decision]:
+def decide(snap: SchedulingSnapshot) -> list[SchedulingDecision]:
     """Every decision for this snapshot; jobs without a decision keep what they have."""
     running = {j.job_id: j for j in snap.jobs if j.running}
     free = snap.cluster.gpus - sum(j.held_gpus for j in running.values())
-    out: list[Decision] = []
+    out: list[SchedulingDecision] = []
     position = 0
     for job in queue_order(snap.jobs):
         why = never_fits(job, snap.cluster)
         if why is not None:
-            out.append(Decision(REFUSE, job.job_id, why))
+            out.append(SchedulingDecision(A.REFUSE, why, job.job_id))
             continue
         if job.queue_timeout_s is not None and job.queued_s > job.queue_timeout_s:
-            out.append(Decision(EXPIRE, job.job_id, f"waited {job.queued_s:.0f} s in the queue, "
-                                f"more than resources.queue_timeout_s={job.queue_timeout_s:g}"))
+            out.append(SchedulingDecision(
+                A.EXPIRE, f"waited {job.queued_s:.0f} s in the queue, more than "
+                f"resources.queue_timeout_s={job.queue_timeout_s:g}", job.job_id))
             continue
         g = job.gpus_per_node
         nodes = min(job.target_nodes, max(0, free) // g)
         if nodes >= job.min_nodes:
-            out.append(Decision(ADMIT, job.job_id, f"{nodes * g} GPU(s) free for {nodes} "
-                                f"node(s) x {g} GPUs (priority {job.priority})", nodes))
+            out.append(SchedulingDecision(A.ADMIT, f"{nodes * g} GPU(s) free for {nodes} "
+                                          f"node(s) x {g} GPUs (priority {job.priority})",
+                                          job.job_id, nodes))
             free -= nodes * g
             continue
         position += 1
@@ -132,7 +149,7 @@ def decide(snap: Snapshot) -> list[Decision]:
         out += decisions
         for d in decisions:
             running[d.job_id] = replace(running[d.job_id], allotted=d.nodes,
-                                        preempting=d.kind == PREEMPT)
+                                        preempting=d.action == A.PREEMPT)
         out.append(_wait(job, position, max(0, free), running, made))
         free -= job.need_gpus  # the head reserves what it needs: nobody behind it takes it
     out += _grow(list(running.values()), free)
@@ -140,7 +157,7 @@ def decide(snap: Snapshot) -> list[Decision]:
 
 
 def _wait(job: JobView, position: int, free: int, running: dict[str, JobView],
-          made: str) -> Decision:
+          made: str) -> SchedulingDecision:
     releasing = [f"{j.job_id} ({(max(j.holds, j.allotted) - j.allotted) * j.gpus_per_node})"
                  for j in running.values() if j.holds > j.allotted]
     what = f"waiting for {job.need_gpus} GPU(s) ({job.min_nodes} node(s) x {job.gpus_per_node})"
@@ -152,11 +169,12 @@ def _wait(job: JobView, position: int, free: int, running: dict[str, JobView],
     else:
         holders = [f"{j.job_id} ({j.held_gpus})" for j in running.values() if j.held_gpus]
         what += ("; held by " + ", ".join(holders)) if holders else ""
-    return Decision(WAIT, job.job_id, what, position=position,
-                    missing_gpus=max(0, job.need_gpus - free))
+    return SchedulingDecision(A.WAIT, what, job.job_id, position=position,
+                              missing_gpus=max(0, job.need_gpus - free))
 
 
-def _make_room(job: JobView, free: int, running: dict[str, JobView]) -> tuple[str, list[Decision]]:
+def _make_room(job: JobView, free: int,
+               running: dict[str, JobView]) -> tuple[str, list[SchedulingDecision]]:
     """Shrink lower-priority elastic jobs, then preempt lower-priority preemptible ones, until
     `job` fits once they release; nothing if even all of that would not be enough."""
     releasing = sum((max(j.holds, j.allotted) - j.allotted) * j.gpus_per_node
@@ -166,15 +184,15 @@ def _make_room(job: JobView, free: int, running: dict[str, JobView]) -> tuple[st
         return "", []  # enough is already on its way
     lower = sorted((j for j in running.values() if j.priority < job.priority and not j.preempting),
                    key=lambda j: (j.priority, -j.order, j.job_id))
-    plan: list[Decision] = []
+    plan: list[SchedulingDecision] = []
     for j in lower:
         spare = j.allotted - j.min_nodes
         if deficit <= 0 or spare <= 0:
             continue
         cut = min(spare, -(-deficit // j.gpus_per_node))
-        plan.append(Decision(SHRINK, j.job_id, f"making room for {job.job_id} (priority "
-                             f"{job.priority} > {j.priority}): {j.allotted} -> "
-                             f"{j.allotted - cut} node(s)", j.allotted - cut))
+        plan.append(SchedulingDecision(A.SHRINK, f"making room for {job.job_id} (priority "
+                                       f"{job.priority} > {j.priority}): {j.allotted} -> "
+                                       f"{j.allotted - cut} node(s)", j.job_id, j.allotted - cut))
         deficit -= cut * j.gpus_per_node
     for j in lower:
         if deficit <= 0:
@@ -182,17 +200,17 @@ def _make_room(job: JobView, free: int, running: dict[str, JobView]) -> tuple[st
         if j.preemptible:
             shrunk = next((d.nodes for d in plan if d.job_id == j.job_id), j.allotted)
             plan = [d for d in plan if d.job_id != j.job_id]
-            plan.append(Decision(PREEMPT, j.job_id, f"making room for {job.job_id} (priority "
-                                 f"{job.priority} > {j.priority}): stop at a checkpoint "
-                                 f"boundary and requeue", 0))
+            plan.append(SchedulingDecision(A.PREEMPT, f"making room for {job.job_id} (priority "
+                                           f"{job.priority} > {j.priority}): stop at a "
+                                           "checkpoint boundary and requeue", j.job_id, 0))
             deficit -= shrunk * j.gpus_per_node
     if deficit > 0:
         return "", []  # taking from others would not be enough: take nothing
-    names = ", ".join(f"{d.kind} {d.job_id}" for d in plan)
+    names = ", ".join(f"{d.action.value} {d.job_id}" for d in plan)
     return f"making room: {names}", plan
 
 
-def _grow(running: list[JobView], free: int) -> list[Decision]:
+def _grow(running: list[JobView], free: int) -> list[SchedulingDecision]:
     """Free GPUs nobody queued waits for go to running jobs below their target."""
     out = []
     for j in sorted(running, key=JobView.key):
@@ -200,7 +218,7 @@ def _grow(running: list[JobView], free: int) -> list[Decision]:
             continue
         nodes = min(j.target_nodes, j.allotted + free // j.gpus_per_node)
         free -= (nodes - j.allotted) * j.gpus_per_node
-        out.append(Decision(GROW, j.job_id, f"{(nodes - j.allotted) * j.gpus_per_node} GPU(s) "
-                            f"free: {j.allotted} -> {nodes} node(s) of target {j.target_nodes}",
-                            nodes))
+        out.append(SchedulingDecision(A.GROW, f"{(nodes - j.allotted) * j.gpus_per_node} GPU(s) "
+                                      f"free: {j.allotted} -> {nodes} node(s) of target "
+                                      f"{j.target_nodes}", j.job_id, nodes))
     return out

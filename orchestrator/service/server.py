@@ -38,16 +38,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tenax.checkpoint.format.catalog import CatalogError
-from tenax.checkpoint.format.storage import StorageError
+from tenax.checkpoint import CatalogError, StorageError
+from tenax.orchestrator.errors import RpcAbort, StorageRootError, StoreError, SubmitError
 from tenax.orchestrator.service.auth import TokenAuth, check_exposure
-from tenax.orchestrator.service.jobs import JobManager, SubmitError, connect_ray
-from tenax.orchestrator.service.storage_roots import StorageRootError, StorageRoots
-from tenax.orchestrator.service.store import JobRecord, JobStore, StoreError
+from tenax.orchestrator.service.jobs import JobManager, connect_ray
+from tenax.orchestrator.service.storage_roots import StorageRoots
+from tenax.orchestrator.service.store import JobRecord, JobStore
 from tenax.orchestrator.service.wire import event_message, job_message, set_layout, state_name
 from tenax.orchestrator.spec import SpecError
-from tenax.v1 import jobs_pb2 as pb
-from tenax.v1 import jobs_pb2_grpc as pb_grpc
+from tenax.proto import jobs_pb2 as pb
+from tenax.proto import jobs_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +64,6 @@ KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 1
 _SUBMIT_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
                  "conflict": grpc.StatusCode.FAILED_PRECONDITION,
                  "unavailable": grpc.StatusCode.UNAVAILABLE}
-
-
-class RpcAbort(Exception):
-    """Raised inside a handler to answer a status code with details."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)
-        self.code, self.details = code, details
 
 
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:

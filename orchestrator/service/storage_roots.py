@@ -17,18 +17,13 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from tenax.orchestrator.errors import StorageRootError
+
 logger = logging.getLogger(__name__)
 
 SCHEME_ALIASES = {"local": "file", "s3a": "s3", "gcs": "gs"}
 STORAGE_SCHEMES = frozenset({"file", "s3", "gs", "az", "abfs", "memory"})
 ECHO_CHARS = 120
-
-
-class StorageRootError(ValueError):
-    """A URI that is malformed or outside every allowed root; the message names the field."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tenax.orchestrator.errors import StoreError
+
 logger = logging.getLogger(__name__)
 
 DB_NAME = "tenax.db"
@@ -62,13 +64,6 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (job_id, seq)
 );
 """
-
-
-class StoreError(Exception):
-    """The job store cannot be opened or written; the message names the file."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 @dataclass(frozen=True)

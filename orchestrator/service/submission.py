@@ -49,17 +49,6 @@ def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> None
     logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s)", slots, tmp)
 
 
-class SubmitError(ValueError):
-    """A submission that cannot start; `kind` is invalid | conflict | unavailable."""
-
-    def __init__(self, message: str, kind: str = "invalid") -> None:
-        super().__init__(message, kind)
-        self.message, self.kind = message, kind
-
-    def __str__(self) -> str:
-        return self.message
-
-
 def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
     """JSON text (+ `KEY=VALUE` overrides) -> JobSpec; SpecError naming the field otherwise.
 

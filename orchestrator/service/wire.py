@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from tenax.orchestrator.service.store import EventRecord, JobRecord
-from tenax.v1 import jobs_pb2 as pb
+from tenax.proto import jobs_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

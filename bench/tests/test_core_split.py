@@ -1,18 +1,16 @@
-"""bench/core_split.py and checkpoint/save/background.py: a training process's host-side threads
-carry names the OS shows, and the bench's GPU-node emulation places every thread where its
-docstring says (training on the first core; the rest of the host, and the training processes'
-host-side threads, on the others)."""
+"""bench/core_split.py: the bench's GPU-node emulation places every thread where its docstring
+says (training on the first core; the rest of the host, and the training processes' host-side
+threads, on the others)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background, os_thread_name
+from bench.core_split import split_cores
 
 LINUX = os.path.exists("/proc/self/task")
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -40,49 +38,9 @@ def wait_for(condition, timeout_s: float = 20.0) -> bool:
     return condition()
 
 
-@pytest.mark.skipif(not LINUX, reason="Linux only")
-def test_a_background_thread_is_named_and_lowered():
-    seen: dict[str, object] = {}
-
-    def body() -> None:
-        as_background("a-name-longer-than-fifteen", 7)
-        tid = threading.get_native_id()
-        seen["name"] = os_thread_name(os.getpid(), tid)
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join(10)
-    assert seen == {"name": "a-name-longer-t", "nice": 7}
-    assert os_thread_name(os.getpid(), threading.get_native_id()) != "a-name-longer-t"
-
-
-@pytest.mark.skipif(not LINUX, reason="Linux only")
-def test_the_snapshot_copying_thread_carries_its_name(tmp_path):
-    from tenax.checkpoint.memory.snapshot import MemorySnapshotter
-    from tests.ckpt_jobs import DictState, ckpt_spec
-
-    def named() -> list[int]:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-        return [t for t in tids if os_thread_name(os.getpid(), t) == SNAPSHOT_THREAD]
-
-    state = DictState()
-    snaps = MemorySnapshotter(ckpt_spec(f"file://{tmp_path}/ckpt"), state, 0, 1, str(tmp_path),
-                              3, lambda ok: ok)
-    assert named() == []
-    state.train()
-    snaps.snapshot(1)
-    snaps.wait()
-    assert len(named()) == 1
-    snaps.close()
-    assert wait_for(lambda: named() == [])
-
-
 @pytest.mark.skipif(not LINUX or len(CORES) < 2, reason="needs Linux and 2 cores")
 def test_split_cores_places_training_apart_and_its_host_side_threads_with_the_rest():
-    from bench.core_split import split_cores
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root}
     training = subprocess.Popen([sys.executable, "-c", TRAINING], stdout=subprocess.PIPE,
                                 text=True, env=env)
@@ -107,8 +65,6 @@ def test_split_cores_places_training_apart_and_its_host_side_threads_with_the_re
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
 @pytest.mark.parametrize("rank_cores", [0, len(CORES)])
 def test_split_cores_refuses_a_split_that_leaves_a_side_empty(rank_cores):
-    from bench.core_split import split_cores
-
     with pytest.raises(ValueError, match=f"rank_cores={rank_cores}"):
         with split_cores(rank_cores=rank_cores):
             pass

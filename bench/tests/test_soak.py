@@ -35,7 +35,8 @@ def test_lost_committed_steps_flags_a_resume_older_than_the_newest_intact_commit
                ("failure", {"step": 12}), ("recovered", {"step": 5})]
     assert [r["lost"] for r in lost_committed_steps(_events(*history), keep_last=3)] == [5]
     corrupted = history[:2] + [("chaos", {"kind": "corrupt-checkpoint",
-                                          "detail": "flipped 16 bytes of step-00000010/x"})] + history[2:]
+                                          "detail": "flipped 16 bytes of step-00000010/x"})
+                              ] + history[2:]
     assert [r["lost"] for r in lost_committed_steps(_events(*corrupted), keep_last=3)] == [0]
 
 
@@ -43,7 +44,8 @@ def test_a_corrupted_version_whose_commit_event_arrives_late_is_not_intact():
     """The drill damaged step 10 on storage before the controller saw step 10's commit: the
     fallback to 5 is correct (0 lost); only a re-commit after a rollback makes 10 intact."""
     late = [("checkpoint", {"step": 5}),
-            ("chaos", {"kind": "corrupt-checkpoint", "detail": "flipped 16 bytes of step-00000010/x"}),
+            ("chaos", {"kind": "corrupt-checkpoint",
+                       "detail": "flipped 16 bytes of step-00000010/x"}),
             ("checkpoint", {"step": 10}), ("failure", {"step": 12}), ("recovered", {"step": 5})]
     assert [r["lost"] for r in lost_committed_steps(_events(*late), keep_last=3)] == [0]
     again = late + [("checkpoint", {"step": 10}), ("failure", {"step": 11}),
@@ -59,13 +61,15 @@ def test_checkpoint_order_violations_allow_only_rollbacks_through_recovery():
     assert checkpoint_order_violations(_events(*bad)) == ["checkpoint step 5 after step 10"]
 
 
+@pytest.mark.slow  # a clean and a chaos job on local Ray
 def test_soak_with_every_fault_kind_loses_no_committed_step(tmp_path):
     # One GPU slot per logical node keeps it CI-sized: 2 ranks, or 1 after a scale-down.
     cfg = SoakConfig(n_faults=6, seed=1, gpus_per_node=1, timeout_s=400)
     result = run_soak(cfg, str(tmp_path))
     c = checks(result)
     assert c["state"] == "SUCCEEDED", c["cause"]
-    assert c["faults_fired"] == 6 and all(c["fired_by_kind"][k] == 1 for k in KINDS), c["fired_by_kind"]
+    assert c["faults_fired"] == 6 and all(c["fired_by_kind"][k] == 1 for k in KINDS), \
+        c["fired_by_kind"]
     assert c["unplanned_fired"] == len(UNPLANNED)
     assert c["restarts"] == c["unplanned_fired"], c["recoveries"]
     assert c["final_loss"] == pytest.approx(c["clean_final_loss"], rel=1e-5)

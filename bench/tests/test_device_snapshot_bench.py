@@ -7,15 +7,17 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # a subprocess that imports torch and trains on gloo: 10-20 s on 2 cores
 def test_the_smoke_run_times_every_mode_and_copies_the_whole_state(tmp_path):
     out = tmp_path / "snap.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "device_snapshot_bench.py"),
+    done = subprocess.run([sys.executable, "-m", "bench.device_snapshot_bench",
                            "--device", "cpu", "--steps", "1", "--reps", "1", "--json", str(out)],
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                          timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert set(result["median_step_s"]) == {"none", "blocking", "async"}

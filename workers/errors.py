@@ -1,0 +1,16 @@
+"""The exceptions the workers layer raises to its callers.
+
+Message-only constructors: an error raised in a rank's agent crosses Ray's actor boundary
+pickled, and `pickle` rebuilds an exception from its arguments.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SpecError"]
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run; the message names every bad field and its value."""

@@ -1,0 +1,210 @@
+"""The rank loop: what one training process of a job runs, from rendezvous to its last step.
+
+`run_rank(RankOptions, RankHooks)` joins the process group, builds the trainer for the layout,
+resumes (from the in-memory snapshot its agent assembled when every rank can read it, else from
+the newest committed checkpoint, resharded into this layout), runs the steps, saves every
+checkpoint.every_steps and at the last step, takes the in-memory snapshots its placement
+decided on (`MemoryOptions.every_steps`), and waits for the last save before returning the last
+record. `tenax run`'s agents fork it (workers/worker.py); `python -m tenax.workers.launch` runs
+it on local processes for tests and debugging.
+
+Records: "started" (with the step it resumed at) and "step" go to `hooks.on_step`; checkpoint
+events to `hooks.on_event` (default `on_step`). `hooks.should_stop` is polled at every step
+boundary; when any rank says stop, all save at that boundary and the loop returns
+{"event": "stopped", ...}. `hooks.faults` is a drill's fault injection
+(workers/chaos_injector.py), None in production: told before each step, it may kill or hang
+this process or stretch its compute.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from tenax.workers.checkpoint_config import checkpoint_config
+from tenax.workers.events import stamp
+from tenax.workers.memory_options import MemoryOptions, begin_rank, snapshotter
+from tenax.workers.rendezvous import join_process_group, leave_process_group
+
+logger = logging.getLogger(__name__)
+
+Record = dict[str, Any]
+
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
+# glibc malloc, per training process: freed heap up to this much stays with the process, and
+# blocks below MMAP_BYTES come from the heap rather than fresh mappings. By default a step's
+# freed activations went back to the kernel and the next step faulted them in again: 100 to
+# 6,000 page faults per rank per step here (3-5% of a step's CPU), most with snapshots on.
+MALLOC_TRIM_BYTES = 256 << 20
+MALLOC_MMAP_BYTES = 64 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters
+MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")  # a user's own choice wins
+
+
+@dataclass
+class RankOptions:
+    """What one rank runs (picklable)."""
+    spec: dict[str, Any]  # JobSpec.to_dict()
+    layout: dict[str, Any]  # ParallelLayout.to_dict()
+    rank: int
+    world: int
+    addr: str  # rank 0's rendezvous store
+    port: int
+    steps: int | None = None  # train until this step (default: train.steps)
+    resume: bool = True  # from the newest committed checkpoint (or memory's restore_uri)
+    storage_options: dict[str, Any] | None = None  # fsspec options for checkpoint.uri
+    memory: MemoryOptions | None = None  # in-memory snapshots (from the rank's agent)
+
+
+class FaultHook(Protocol):
+    """A drill's fault injection inside the rank (workers/chaos_injector.py `ChaosInjector`)."""
+    slow_factor: float  # this rank's compute takes this many times as long
+
+    def before_step(self, step: int) -> None:
+        """The rank is about to run `step` (1-based); may kill or hang this process."""
+
+
+@dataclass
+class RankHooks:
+    """How the rank loop talks to whoever runs it (all optional)."""
+    on_step: Callable[[Record], None] | None = None  # "started" and "step" records
+    on_event: Callable[[Record], None] | None = None  # checkpoint events (default: on_step)
+    should_stop: Callable[[], bool] | None = None  # polled at every step boundary
+    faults: FaultHook | None = None  # a drill's fault injection; None in production
+
+    def progress(self, record: Record) -> None:
+        """Report a "started" or "step" record; then a drill may act before the next step."""
+        if self.on_step is not None:
+            self.on_step(record)
+        if self.faults is not None:
+            self.faults.before_step(record["step"] + 1)
+
+    def events(self, events: list[Record], rank: int) -> None:
+        """Checkpoint events of this rank, stamped where they happened."""
+        emit = self.on_event or self.on_step
+        for event in events:
+            if emit is not None:
+                emit(stamp({**event, "rank": rank}))
+
+
+def keep_freed_heap() -> bool:
+    """Tune glibc malloc as above; False where there is no glibc or the user tuned it."""
+    import ctypes
+
+    own = [n for n in MALLOC_ENV if n in os.environ]
+    if own or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        logger.info("malloc left as the environment sets it (%s)", ", ".join(own) or
+                    "GLIBC_TUNABLES")
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES) == 1 and \
+        mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES) == 1
+    logger.info("malloc keeps up to %d MiB of freed heap (no page faults to refill it every "
+                "step): %s", MALLOC_TRIM_BYTES >> 20, "set" if ok else "refused by mallopt")
+    return ok
+
+
+def run_rank(options: RankOptions, hooks: RankHooks | None = None) -> Record:
+    """Train this rank until step `options.steps` (default train.steps); the last record."""
+    import torch
+
+    from tenax.parallel import ParallelLayout
+    from tenax.workers.spec import spec_from_dict
+
+    torch.set_num_threads(1)
+    keep_freed_heap()
+    spec = spec_from_dict(options.spec)
+    layout = ParallelLayout.from_dict(options.layout)
+    # The collective timeout is only a backstop: the controller's hang detection
+    # (hang_timeout_s) must fire first so the cause it reports is the hung rank, not a peer's
+    # collective timing out.
+    backend = "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo"
+    join_process_group(options.rank, options.world, options.addr, options.port,
+                       COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
+    try:
+        return _train(spec, layout, options, hooks or RankHooks())
+    finally:
+        leave_process_group()
+
+
+def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Record:
+    from tenax.checkpoint import CheckpointManager
+    from tenax.workers.trainer import Trainer
+
+    rank, world, storage_options = options.rank, options.world, options.storage_options
+    # A resuming rank loads every weight: initialising them first would be wasted (~45 ms).
+    trainer = Trainer(spec, layout, initialise=not options.resume)
+    base = {"rank": rank, "world_size": world, "layout": layout.degrees()}
+    with CheckpointManager(checkpoint_config(spec), trainer, rank, world,
+                           storage_options=storage_options) as mgr:
+        resumed, source = begin_rank(mgr, trainer, options.memory, options.resume, rank, world)
+        hooks.events(mgr.drain_events(), rank)
+        snaps = snapshotter(spec, mgr, rank, world, options.memory)
+        hooks.progress(stamp({"event": "started", "step": trainer.step,
+                              "resumed_from": resumed, "source": source, **base}))
+        try:
+            record = _steps(trainer, mgr, snaps, options, hooks, base)
+        finally:
+            if snaps is not None:
+                snaps.close()
+        if record["event"] == "stopped":
+            return record
+        mgr.close()
+        hooks.events(mgr.drain_events(), rank)
+    return record
+
+
+def _steps(trainer: Any, mgr: Any, snaps: Any, options: RankOptions, hooks: RankHooks,
+           base: Record) -> Record:
+    """Step until the target, saving and snapshotting where due; the last record."""
+    spec = trainer.spec
+    record: Record = {"event": "step", "step": trainer.step, "loss": None, **base}
+    target, every = options.steps or spec.train.steps, spec.checkpoint.every_steps
+    while trainer.step < target:
+        if hooks.should_stop is not None and _any_rank_says(hooks.should_stop()):
+            return _stop_at_boundary(mgr, trainer.step, hooks, base)
+        if hooks.faults is not None:  # chaos `slow`: this rank computes F times slower
+            trainer.slow_factor = hooks.faults.slow_factor
+        record = _step_record(trainer.run_step(), base)
+        hooks.progress(record)
+        if trainer.step % every == 0 or trainer.step == target:
+            mgr.save(trainer.step)
+        if snaps is not None and options.memory.snapshot_due(trainer.step) \
+                and trainer.step < target:
+            snaps.snapshot(trainer.step)
+        hooks.events(mgr.drain_events(), base["rank"])
+    return record
+
+
+def _stop_at_boundary(mgr: Any, step: int, hooks: RankHooks, base: Record) -> Record:
+    """A planned stop: every rank saves this step (skipped when it is saved or resumed from)."""
+    mgr.save(step)
+    mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
+    hooks.events(mgr.drain_events(), base["rank"])
+    return {"event": "stopped", "step": step, **base}
+
+
+def _step_record(result: Any, base: Record) -> Record:
+    return {"event": "step", "step": result.step, "loss": result.loss,
+            "tokens_per_s": result.tokens_per_s, **base,
+            "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
+            "lr": result.lr, "step_s": result.step_s, "time": round(time.time(), 6),
+            "cpu_time": round(time.process_time(), 6)}  # this rank's CPU seconds so far
+
+
+def _any_rank_says(flag: bool) -> bool:
+    """One-element all-reduce so every rank stops at the same step boundary."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
