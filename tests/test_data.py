@@ -1,4 +1,4 @@
-"""Tests for workers/data.py: the data order is a pure function of (seed, global sample index),
+"""Tests for workers/data/loader.py: the data order is a pure function of (seed, global sample index),
 independent of dp, resumable under another dp, and token files are read by byte ranges only."""
 from __future__ import annotations
 
