@@ -1,20 +1,22 @@
 """tenax.parallel — the engine: layouts, the planner, the model and every kind of parallelism.
 
-- Config: `ModelArgs`, `MoEArgs` (plain dataclasses the caller builds from the job spec).
+- Config: `ModelArgs`, `MoEArgs`, `RopeScalingArgs` (plain dataclasses the caller builds from the job spec).
 - Layouts: `ParallelLayout` (degrees, rank <-> coordinates, device mesh), `layout_for`,
   `degree_problems`, `MESH_DIMS`, `SCHEDULES`.
 - Planning (pure arithmetic, torch-free): `plan_layout(model, Cluster, PlanOptions)`,
-  `plan_pinned`, `PlanResult`, `Estimate`, `StepTime`; the cost model (`MemoryLedger`,
-  `Network`, `Link`, `Comm`, `StateBytes`, `MIXED_ADAMW`, `FP32_ADAMW`, per-dimension
-  `*_comm`, activation and state memory, `train_flops_per_token`); pipeline bubbles
-  (`bubble_time`, `bubble_fraction`, `bubble_table`); GPU models (`GpuModel`, `GPUS`,
-  `gpu_model`, `gpu_from_device_name`, `planner_options`); host memory for snapshots
-  (`snapshot_footprint`, `node_snapshot_footprint`, ...).
+  `plan_pinned`, `estimate_layout`, `precision`, `PlanResult`, `Estimate`, `StepTime`; the
+  cost model (`MemoryLedger`, `Network`, `Link`, `Comm`, `StateBytes`, `MIXED_ADAMW`,
+  `FP32_ADAMW`, per-dimension `*_comm`, activation and state memory, `train_flops_per_token`);
+  pipeline bubbles (`bubble_time`, `bubble_fraction`, `bubble_table`); GPU models (`GpuModel`,
+  `GPUS`, `gpu_model`, `gpu_from_device_name`, `planner_options`, `slot_memory_gib`); host
+  memory for snapshots (`snapshot_footprint`, `node_snapshot_footprint`, ...).
 - Errors: `PlanError`, `LayoutError` (parallel/errors.py).
 - The model and its parallelisms (torch): `Transformer`, `build_model`, `init_weights`,
   `cross_entropy_sum`, `canonical_param_name`; `parallelize` (applies every parallelism in
-  one fixed order) and the `ParallelModel` it returns; `DataParallel`; `PipelineRunner`; MoE (`MoEFeedForward`, `apply_ep`, `moe_stats`,
-  ...); context parallelism (`ring_attention`, `apply_cp`, zigzag splits); `CommCounter`.
+  one fixed order) and the `ParallelModel` it returns; activation recompute (`apply_recompute`,
+  `engine_recompute`, `resolve_recompute`, `SavedTensorMeter`); `DataParallel`;
+  `PipelineRunner`; MoE (`MoEFeedForward`, `apply_ep`, `moe_stats`, ...); context
+  parallelism (`ring_attention`, `apply_cp`, zigzag splits); `CommCounter`.
 
 Names resolve lazily (PEP 562): importing this package, `tenax.parallel.layout` or the planner
 imports neither torch nor the modules behind names it does not use.
@@ -24,10 +26,11 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "config": ("ModelArgs", "MoEArgs"),
+    "config": ("ModelArgs", "MoEArgs", "RopeScalingArgs", "tie_problems"),
     "errors": ("LayoutError", "PlanError"),
     "layout": ("MESH_DIMS", "ParallelLayout", "SCHEDULES", "degree_problems", "layout_for"),
-    "planner": ("Cluster", "PlanOptions", "plan_layout", "plan_pinned"),
+    "planner": ("Cluster", "PlanOptions", "estimate_layout", "plan_layout", "plan_pinned",
+                "precision"),
     "estimate": ("Estimate", "PlanResult", "StepTime"),
     "cost_model": ("Comm", "FP32_ADAMW", "Link", "MIXED_ADAMW", "MemoryLedger", "Network",
                    "StateBytes", "ZERO_NAMES", "all_gather", "all_reduce", "all_to_all",
@@ -37,13 +40,15 @@ _MODULES = {
                    "stage_activation_bytes", "tp_comm", "train_flops_per_token",
                    "zero_stage_ledgers"),
     "bubble": ("bubble_fraction", "bubble_table", "bubble_time"),
-    "hardware": ("GPUS", "GpuModel", "gpu_from_device_name", "gpu_model", "planner_options"),
+    "hardware": ("GPUS", "GpuModel", "gpu_from_device_name", "gpu_model", "host_memory_bytes",
+                 "planner_options", "slot_memory_gib"),
     "host_memory": ("CURSOR_RNG_BYTES", "SnapshotFootprint", "human_bytes",
                     "ledger_snapshot_bytes", "node_snapshot_footprint", "rank_snapshot_bytes",
                     "snapshot_footprint"),
     "model": ("Attention", "Transformer", "build_model", "canonical_param_name",
-              "cross_entropy_sum", "init_weights", "param_seed", "rotary_cos_sin"),
+              "cross_entropy_sum", "init_weights", "param_seed", "rotary_cos_sin", "rotary_inv_freq", "tie_output"),
     "parallel_model": ("ParallelGroups", "ParallelModel", "build_groups", "parallelize"),
+    "recompute": ("SavedTensorMeter", "apply_recompute", "engine_recompute", "resolve_recompute"),
     "pipeline_parallel": ("PipelineRunner",),
     "expert_parallel": ("MoEFeedForward", "MoEStats", "apply_ep", "is_expert_param",
                         "moe_aux_loss", "moe_layers", "moe_stats"),

@@ -24,6 +24,17 @@ class MoEArgs:
 
 
 @dataclass(frozen=True)
+class RopeScalingArgs:
+    """Llama 3.1's rotary frequency scaling (HF `rope_type: llama3`): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than
+    .../ high_freq_factor are kept, and the band between is interpolated smoothly."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """A Llama-style decoder's shape; `moe` set means routed SwiGLU experts replace the FFN."""
     dim: int = 256
@@ -34,16 +45,22 @@ class ModelArgs:
     seq_len: int = 128
     ffn_hidden: int = 688
     moe: MoEArgs | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingArgs | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the output head's weight is the embedding's weight
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelArgs":
         """From the spec's `model` section as a plain mapping (unknown keys are an error)."""
         fields = dict(d)
         moe = fields.pop("moe", None)
+        scaling = fields.pop("rope_scaling", None)
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"model: unknown keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
-        return cls(**fields, moe=MoEArgs(**moe) if moe is not None else None)
+        return cls(**fields, moe=MoEArgs(**moe) if moe is not None else None,
+                   rope_scaling=RopeScalingArgs(**scaling) if scaling is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,8 +84,9 @@ class ModelArgs:
         return attn + ffn + 2 * self.dim
 
     def num_params(self, active: bool = False) -> int:
-        """Total parameters (untied embedding and head); `active` counts top_k experts only."""
-        embed_and_head = 2 * self.vocab_size * self.dim
+        """Total parameters (one matrix if the head is tied to the embedding); `active` counts
+        top_k experts only."""
+        embed_and_head = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
         return embed_and_head + self.n_layers * self.layer_params(active) + self.dim
 
     def expert_params(self) -> int:
@@ -76,3 +94,19 @@ class ModelArgs:
         if self.moe is None:
             return 0
         return self.n_layers * self.moe.num_experts * self.ffn_params()
+
+
+def tie_problems(spec: ModelArgs, pp: int, zero: int) -> list[str]:
+    """Layouts a tied head cannot use: pipeline stages hold the embedding and head apart, and
+    FSDP2 gives the embedding and the head units of their own."""
+    if not spec.tie_embeddings:
+        return []
+    problems = []
+    if pp > 1:
+        problems.append(f"model.tie_embeddings: true needs parallel.pp=1 (got {pp}): the "
+                        f"embedding and the output head live on different pipeline stages")
+    if zero == 3:
+        problems.append("model.tie_embeddings: true is not supported with parallel.zero=3 "
+                        "(FSDP2 shards the embedding and the head as separate units); use "
+                        "zero 0, 1 or 2")
+    return problems

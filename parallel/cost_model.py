@@ -116,13 +116,8 @@ def zero_stage_ledgers(params: float, dp: int,
 # ---- memory: activations -------------------------------------------------------------------
 def attention_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                                cp: int = 1, dtype_bytes: float = 2, scores: bool = True) -> float:
-    """dtype*(11*s*b*h + 5*a*s^2*b) / tp (Korthikanti et al. 2022, TP with sequence parallel).
-
-    CP: each rank keeps its s/cp queries, so the linear term uses s/cp. For the score term we
-    charge 5*a*(s/cp)*s*b: the rank's queries against every key it sees over the ring — an upper
-    bound that holds for an eager ring attention; a flash kernel stores none of it, which is
-    what `scores=False` (selective recompute) models.
-    """
+    """dtype*(11*s*b*h + 5*a*s^2*b) / tp (Korthikanti et al. 2022, TP+SP; CP: s/cp queries), for
+    comparison: the planner charges what this engine saves (`block_activation_bytes`)."""
     s_local = seq / cp
     score_term = 5 * heads * s_local * seq * micro_batch if scores else 0.0
     return dtype_bytes * (11 * s_local * micro_batch * hidden + score_term) / tp
@@ -137,11 +132,8 @@ def mlp_activation_bytes(seq: int, micro_batch: int, hidden: int, tp: int = 1, c
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            cp: int = 1, recompute: str = "none", dtype_bytes: float = 2,
                            top_k: int = 1) -> float:
-    """Stored activations of one decoder layer for one micro-batch.
-
-    none: attention + MLP; selective: drops the 5*a*s^2*b score term (recomputed/flash);
-    full: only the layer input dtype*s*b*h / tp (s -> s/cp), the rest is recomputed.
-    """
+    """Korthikanti et al.'s layer (attention + MLP; selective drops the scores; full keeps the
+    input dtype*s*b*h/tp, s -> s/cp), for comparison with `block_activation_bytes`."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute: {recompute!r} must be one of {RECOMPUTE}")
     _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp, cp=cp)
@@ -152,12 +144,59 @@ def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, 
     return attn + mlp_activation_bytes(seq, micro_batch, hidden, tp, cp, dtype_bytes, top_k)
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Micro-batches whose activations the first (busiest) stage holds at peak.
+@dataclass(frozen=True)
+class ActivationShape:
+    """One rank's micro-batch: b sequences of s/cp tokens, width h, a heads, SwiGLU width F."""
+    seq: int
+    micro_batch: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    tp: int = 1
+    cp: int = 1
+    top_k: int = 1
+    dtype_bytes: float = 2
 
-    GPipe: all m. 1F1B and zero-bubble (ZB-H1): min(p, m). Interleaved 1F1B:
-    p*(1 + (p-1)/(p*v)) (Korthikanti et al. 2022, sec. 4.2), never more than m.
-    """
+
+def block_activation_bytes(shape: ActivationShape, recompute: str = "none") -> float:
+    """Bytes one decoder block of this engine saves for backward per micro-batch (measured with
+    saved-tensor hooks, tests/test_recompute.py). Per token, in dtype bytes (t = tp). none:
+    8h/t + 2h + 4F*top_k/t, + float32 4*(2 + a)/t. Sequence-sharded (SP): each norm's input and
+    normalised input (4h/t). Gathered for the column-parallel projections: each norm's output
+    (2h, not divided). Head-sharded: the attention core's
+    q, k, v (3h/t; GQA keys/values are repeated to h first) and output (h/t, also wo's input),
+    SwiGLU's w1 out, w3 out, silu out and product (4F/t). Float32: one rsqrt per norm (2/t) and
+    one log-sum-exp per head (a/t). Flash-style attention (SDPA, ring attention) keeps no s x s
+    scores at any level. With cp > 1 ring attention's output is laid out [b, a, s, d], so wo's
+    input is a copy of it: one more h/t. selective: none minus the core's own saves (the
+    log-sum-exp, and under cp > 1 its output). full: only the block input x (h/t). All scale
+    with b*s/cp tokens."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute: {recompute!r} must be one of {RECOMPUTE}")
+    s, t = shape, shape.tp
+    _positive(seq=s.seq, micro_batch=s.micro_batch, hidden=s.hidden, tp=s.tp, cp=s.cp)
+    if recompute == "full":
+        per_token = s.dtype_bytes * s.hidden / t
+    else:
+        none = recompute == "none"
+        ring_out = s.hidden if none and s.cp > 1 else 0
+        per_token = (s.dtype_bytes * ((8 * s.hidden + ring_out + 4 * s.ffn_hidden * s.top_k) / t
+                                      + 2 * s.hidden) + 4 * (2 + (s.heads if none else 0)) / t)
+    return per_token * s.micro_batch * s.seq / s.cp
+
+
+def head_activation_bytes(shape: ActivationShape, vocab: int, head_dim: int) -> float:
+    """The rest of a model's saved bytes per micro-batch: final norm (2h/tp + h gathered + fp32
+    rsqrt/tp), fp32 log-softmax (4V: tp ranks gather every logit), int64 ids and targets (16)."""
+    s = shape  # + the rotary cos/sin every block shares (fp32, 4*head_dim per position)
+    per_token = s.dtype_bytes * (2 * s.hidden / s.tp + s.hidden) + 4 / s.tp + 4 * vocab + 16
+    return (per_token * s.micro_batch + 4 * head_dim) * s.seq / s.cp
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations the first (busiest) stage holds at peak. GPipe: all m.
+    1F1B and zero-bubble (ZB-H1): min(p, m). Interleaved 1F1B: p*(1 + (p-1)/(p*v))
+    (Korthikanti et al. 2022, sec. 4.2), never more than m."""
     _positive(pp=pp, microbatches=microbatches, virtual=virtual)
     if pp == 1:
         return 1.0
@@ -326,11 +365,13 @@ def cp_comm(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, layers:
 
 # ---- compute and topology ----------------------------------------------------------------
 def train_flops_per_token(active_params: float, n_layers: int, hidden: int, seq: int,
-                          recompute: str = "none") -> float:
+                          recompute: str = "none", block_params: float | None = None) -> float:
     """6*P + 12*L*h*s FLOPs per trained token (PaLM, app. B: matmuls + attention scores, no
-    causal discount). Selective recompute reruns attention (+4Lhs), full the forward (+2P+4Lhs)."""
+    causal discount). Selective recompute reruns the attention core's forward (+4Lhs), full
+    each block's forward (+2*block params + 4Lhs; `block_params` defaults to P)."""
     attn = n_layers * hidden * seq
-    extra = {"none": 0.0, "selective": 4 * attn, "full": 2 * active_params + 4 * attn}
+    rerun = active_params if block_params is None else block_params
+    extra = {"none": 0.0, "selective": 4 * attn, "full": 2 * rerun + 4 * attn}
     if recompute not in extra:
         raise ValueError(f"recompute: {recompute!r} must be one of {RECOMPUTE}")
     return 6 * active_params + 12 * attn + extra[recompute]

@@ -7,15 +7,17 @@ GPU, step time, tokens/s, MFU, warnings — is derived here in one place.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tenax.parallel.bubble import bubble_fraction, bubble_time
 from tenax.parallel.cost_model import MemoryLedger, gib
 from tenax.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 ZERO_PREFERENCE = (1, 2, 0, 3)
+NEAR_MISS = 1.5  # a faster layout that needs up to 1.5x the budget is worth showing
 PART_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "dp_comm_s": "exposed DP comm",
                "pp_comm_s": "PP p2p", "ep_comm_s": "EP all-to-all", "cp_comm_s": "CP ring",
                "bubble_s": "pipeline bubble"}
@@ -122,3 +124,25 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     return f"slower: {e.time.total_s:.4g} s vs {best.time.total_s:.4g} s (more {label})"
 
 
+def choose_best(found: list[Estimate]) -> tuple[Estimate, list[Estimate]]:
+    per_layout: dict[tuple[ParallelLayout, bool], Estimate] = {}
+    for e in sorted(found, key=Estimate.key):  # per set of degrees: best fitting, best not fitting
+        per_layout.setdefault((replace(e.layout, micro_batch_size=1, zero=1), e.fits), e)
+    ranked = list(per_layout.values())
+    fitting = [e for e in ranked if e.fits]
+    best = fitting[0]
+    near_misses = [e for e in ranked if not e.fits and e.time.total_s < best.time.total_s
+                   and e.memory.total <= NEAR_MISS * e.budget_bytes][:2]
+    others = sorted(fitting[1:5] + near_misses, key=Estimate.key)
+    return best, [replace(e, reason=why_lost(e, best)) for e in others]
+
+
+def soft_warnings(lay: ParallelLayout, m: int) -> list[str]:
+    """Rules of thumb a layout breaks, each with what it costs (they never refuse a layout)."""
+    if lay.pp == 1 or m >= 4 * lay.pp:
+        return []
+    now = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages), m)
+    good = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages),
+                           4 * lay.pp)
+    return [f"pipeline bubble {100 * now:.0f}% with {m} micro-batches; {4 * lay.pp} would give "
+            f"{100 * good:.0f}% (raise train.global_batch_size or lower micro_batch_size)"]

@@ -10,6 +10,7 @@ overridden from the CLI, since real clusters differ (PCIe parts, 200 vs 400 Gb/s
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -86,3 +87,21 @@ def planner_options(gpu: GpuModel) -> dict[str, Any]:
     """`planner.Cluster` keyword arguments for this GPU (peak, links, the figures to report)."""
     return {"peak_flops": gpu.peak_bf16_flops, "network": gpu.network(),
             "hardware": gpu.to_dict()}
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host: CPU ranks plan with their share of it (no GPU memory)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # psutil is optional; POSIX reports pages
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def slot_memory_gib(device: str, ranks_per_node: int, gpu_mem_gib: float = 80.0) -> float:
+    """GiB one rank plans with: a CPU slot (`resources.device: cpu`) its share of the host's
+    RAM (total / ranks per node), anything else the GPU's `gpu_mem_gib`."""
+    if device == "cpu":
+        return host_memory_bytes() / max(1, ranks_per_node) / 2 ** 30
+    return gpu_mem_gib

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tenax.parallel.config import ModelArgs
+from tenax.parallel.config import ModelArgs, RopeScalingArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,34 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int,
-                   theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_inv_freq(head_dim: int, theta: float = ROPE_THETA,
+                    scaling: RopeScalingArgs | None = None,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The [head_dim // 2] rotary frequencies, float32; `scaling` applies Llama 3.1's rule."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1 (HF rope_type "llama3"): long wavelengths are slowed down by `factor`, short
+    # ones kept, and the band between blends the two linearly in context-length / wavelength.
+    context = float(scaling.original_max_position_embeddings)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = ROPE_THETA,
+                   scaling: RopeScalingArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [b or 1, s, 1, head_dim // 2] for global token `positions` ([s] or [b, s])."""
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
     if positions.dim() != 2:
         raise ValueError(f"positions: expected shape [s] or [b, s], got {tuple(positions.shape)}")
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = rotary_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
 
@@ -76,9 +95,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Default attention core on [b, h, s, head_dim]; context parallelism swaps in ring attention."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Default attention core on [b, h, s, head_dim]; context parallelism swaps in ring attention.
+
+    `attn_mask` ([b, 1, s, s] bool, True = may attend) replaces the plain causal mask, e.g. a
+    block-causal mask that keeps attention inside each document."""
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class Attention(nn.Module):
@@ -93,7 +118,8 @@ class Attention(nn.Module):
         # A plain attribute (not a submodule) so context parallelism can replace the core only.
         self.attention_fn: AttentionFn = causal_sdpa
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Shapes come from the projections, not from `x` or the spec: under TP the projections
         # hold only this rank's heads, and under SP `x` may be a sequence-sharded DTensor.
@@ -108,7 +134,11 @@ class Attention(nn.Module):
             # mapping matches the global one.
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # The mask goes as a keyword only when there is one: attention cores that take just
+        # (q, k, v) (ring attention) keep working, and wrappers pass **kwargs through.
+        out = self.attention_fn(q, k, v) if attn_mask is None else \
+            self.attention_fn(q, k, v, attn_mask=attn_mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -137,13 +167,16 @@ def build_feed_forward(spec: ModelArgs) -> nn.Module:
 class TransformerBlock(nn.Module):
     def __init__(self, spec: ModelArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(spec.dim)
+        self.attention_norm = RMSNorm(spec.dim, spec.norm_eps)
         self.attention = Attention(spec)
-        self.ffn_norm = RMSNorm(spec.dim)
+        self.ffn_norm = RMSNorm(spec.dim, spec.norm_eps)
         self.feed_forward = build_feed_forward(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # A keyword, not a positional input: TP's PrepareModuleInput checks positional inputs
+        # against its layouts and passes keywords through untouched.
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask=attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -155,19 +188,23 @@ class Transformer(nn.Module):
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(spec.dim)
+        self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
         self.output: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        tie_output(self)
         # This rank's global token positions, set by the trainer when they are not arange(s):
         # under context parallelism, and on pipeline stages whose input is sequence-sharded
         # hidden state (its length is then not the sequence length). Not a buffer: it is a
         # property of the layout, not of the model, and must not enter checkpoints.
         self.positions: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] without an embedding) -> logits or hidden.
 
         `positions` are global token positions ([s] or [b, s]); they default to arange(s) and
-        differ from it only when this rank holds non-contiguous chunks (context parallelism).
+        differ from it only when this rank holds non-contiguous chunks (context parallelism)
+        or restart at document starts. `attn_mask` ([b, 1, s, s] bool, True = may attend)
+        replaces the causal mask in every layer (document masks); None keeps plain causal.
         """
         seq_len = tokens.shape[1]
         if positions is None and self.positions is not None:
@@ -177,13 +214,26 @@ class Transformer(nn.Module):
         elif positions.shape[-1] != seq_len:
             raise ValueError(f"positions: last dim {positions.shape[-1]} does not match "
                              f"sequence length {seq_len}")
-        cos, sin = rotary_cos_sin(positions.to(tokens.device), self.spec.head_dim)
+        cos, sin = rotary_cos_sin(positions.to(tokens.device), self.spec.head_dim,
+                                  self.spec.rope_theta, self.spec.rope_scaling)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if attn_mask is None else layer(h, cos, sin, attn_mask=attn_mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def tie_output(model: nn.Module) -> None:
+    """With `tie_embeddings`, make the head's weight the embedding's Parameter (one tensor,
+    one name: `tok_embeddings.weight`). Needed again after anything that replaces parameters
+    (TP's parallelize_module, `to_empty`); a no-op without the flag or on a pipeline stage
+    that lacks either module."""
+    spec = getattr(model, "spec", None)
+    embed, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if spec is None or not spec.tie_embeddings or embed is None or head is None:
+        return
+    head.weight = embed.weight
 
 
 def canonical_param_name(name: str) -> str:
@@ -242,6 +292,7 @@ def build_model(model_spec: ModelArgs, seed: int, device: str | torch.device = "
     with torch.device("meta"):
         model = Transformer(model_spec)
     model.to_empty(device=device)
+    tie_output(model)
     init_weights(model, seed)
     return model.to(dtype=dtype)
 

@@ -1,12 +1,14 @@
 """Apply the parallelisms of a layout to a model, always in one fixed order.
 
-Order: build on meta -> PP split into stage modules -> per stage: TP/SP -> CP -> EP -> FSDP2
-(zero 3) -> materialise -> init -> hand-written DP (zero 0-2). TP first because CP, EP and FSDP2
-all work on the DTensors TP produced or leave them alone; FSDP2 last among the wrappers because
-it shards whatever parameters the others left. Weights are initialised only after every wrapper
-is in place: `init_weights` fills each shard from (seed, parameter name), so every layout
-starts from the same model without ever holding it whole. The hand-written DP comes last
-because it takes views of the materialised parameters.
+Order: build on meta -> PP split into stage modules -> per stage: TP/SP -> CP -> EP ->
+activation recompute -> FSDP2 (zero 3) -> materialise -> init -> hand-written DP (zero 0-2).
+TP first because CP, EP and FSDP2 all work on the DTensors TP produced or leave them alone;
+FSDP2 last among the wrappers because it shards whatever parameters the others left; recompute
+just before it, so checkpointing runs inside each FSDP unit and wraps whatever attention core
+CP installed. Weights are initialised only after every wrapper is in place: `init_weights`
+fills each shard from (seed, parameter name), so every layout starts from the same model
+without ever holding it whole. The hand-written DP comes last because it takes views of the
+materialised parameters.
 
 Process groups: data parallelism spans dp*cp ranks (context-parallel ranks hold the same
 weights); experts are sharded over `ep` ranks carved from them and their grads are reduced
@@ -22,12 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tenax.parallel.config import ModelArgs
+from tenax.parallel.config import ModelArgs, tie_problems
 from tenax.parallel.data_parallel import DataParallel
 from tenax.parallel.fully_sharded import apply_fsdp
 from tenax.parallel.layout import ParallelLayout
-from tenax.parallel.model import Transformer, init_weights
+from tenax.parallel.model import Transformer, init_weights, tie_output
 from tenax.parallel.pipeline_parallel import build_stage_module, split_layers, stage_ids
+from tenax.parallel.recompute import apply_recompute
 from tenax.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class ParallelModel:
     mesh: DeviceMesh
     groups: ParallelGroups
     dps: list[DataParallel] = field(default_factory=list)  # empty for zero 3 (FSDP2)
+    recompute: str = "none"  # the resolved activation recompute level (parallel/recompute.py)
 
     @property
     def fsdp(self) -> bool:
@@ -100,7 +104,7 @@ def _build_parts(spec: ModelArgs, layout: ParallelLayout, pp_rank: int) -> tuple
 
 
 def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh,
-               groups: ParallelGroups) -> None:
+               groups: ParallelGroups, recompute: str) -> None:
     apply_tp(part, mesh["tp"])
     if layout.cp > 1:
         from tenax.parallel.context_parallel import apply_cp
@@ -110,6 +114,7 @@ def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: D
         from tenax.parallel.expert_parallel import apply_ep
 
         apply_ep(part, groups.ep)
+    apply_recompute(part, recompute)
     if layout.zero == 3:
         apply_fsdp(part, groups.dp_cp_mesh)
 
@@ -131,21 +136,27 @@ def _build_dps(pm: ParallelModel) -> list[DataParallel]:
 
 def parallelize(model_spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
                 device: torch.device, dtype: torch.dtype = torch.float32,
-                initialise: bool = True) -> ParallelModel:
+                initialise: bool = True, recompute: str = "none") -> ParallelModel:
     """`initialise=False` leaves the parameters' memory as allocated (not initialised): for a
-    rank that loads every one of them next (`init_weights` later gives the same values)."""
+    rank that loads every one of them next (`init_weights` later gives the same values).
+    `recompute`: none, selective or full (resolve "auto" first: `recompute.resolve_recompute`)."""
+    problems = tie_problems(model_spec, layout.pp, layout.zero)
+    if problems:
+        raise ValueError("; ".join(problems))
     groups = build_groups(layout, mesh)
     pp_rank = layout.coords(dist.get_rank())["pp"]
     parts, ids = _build_parts(model_spec, layout, pp_rank)
     for part in parts:
-        _wrap_part(part, model_spec, layout, mesh, groups)
+        _wrap_part(part, model_spec, layout, mesh, groups, recompute)
         part.to_empty(device=device)
+        tie_output(part)  # TP and to_empty replaced the parameters
         if initialise:
             init_weights(part, seed)
         if dtype != torch.float32:
             part.to(dtype=dtype)
-    pm = ParallelModel(parts, ids, layout, mesh, groups)
+    pm = ParallelModel(parts, ids, layout, mesh, groups, recompute=recompute)
     if layout.zero != 3:
         pm.dps = _build_dps(pm)
-    logger.info("parallelized: %s, stages %s on this rank", layout.describe(), ids)
+    logger.info("parallelized: %s, stages %s on this rank, recompute=%s", layout.describe(), ids,
+                recompute)
     return pm

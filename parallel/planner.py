@@ -2,10 +2,10 @@
 
 The controller re-plans after every failure ("best layout for 6 GPUs"), so this is a fast search
 over divisors of the GPU count, pruned with the closed-form cost model. The recipe:
-1. fit: model states + activations + buffers <= gpu_mem * (1 - margin), with per layout the
-   cheapest activation recompute that fits (none, then selective, then full);
-2. meet the global batch: dp * micro_batch divides it, micro_batch <= 8 (bigger ones buy little
-   GPU efficiency for their activation memory), and with pp > 1 at least 4*pp micro-batches;
+1. fit: model states + activations + buffers <= gpu_mem * (1 - margin), with the pinned
+   recompute or per layout the lightest that fits (none, then selective, then full);
+2. meet the global batch: dp * micro_batch divides it, micro_batch <= 8, and with pp > 1 at
+   least 4*pp micro-batches;
 3. lowest estimated step time: compute + TP comm (critical path) + DP comm not hidden behind
    compute (DP_OVERLAP of it at most) + PP p2p + EP all-to-all + CP ring (exposed: conservative)
    + bubble; a dimension whose groups cross nodes is timed on the inter-node link.
@@ -23,15 +23,17 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterator, Mapping, Sequence
 
-from tenax.parallel.bubble import bubble_fraction, bubble_time
+from tenax.parallel.bubble import bubble_time
 from tenax.parallel.config import ModelArgs
-from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, MemoryLedger, Network, StateBytes,
+from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, RECOMPUTE, ActivationShape,
+                                       MemoryLedger, Network, StateBytes, block_activation_bytes,
                                        cp_comm, crossing_dims, dp_comm, ep_comm, gib,
-                                       in_flight_microbatches, layer_activation_bytes,
+                                       head_activation_bytes, in_flight_microbatches,
                                        model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
                                        train_flops_per_token)
 from tenax.parallel.errors import LayoutError, PlanError
-from tenax.parallel.estimate import PART_LABELS, Estimate, PlanResult, StepTime, why_lost
+from tenax.parallel.estimate import (PART_LABELS, Estimate, PlanResult, StepTime, choose_best,
+                                     soft_warnings)
 from tenax.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,6 @@ MIN_CP_CHUNK = 1024         # free cp only when each rank keeps >= this many tok
 MAX_VIRTUAL = 4             # interleaved stages tried: 2..4 (more mostly adds p2p)
 DP_OVERLAP = 0.8            # share of DP comm that can hide behind compute (not the last bucket)
 ZERO_PREFERENCE = (1, 2, 0, 3)
-NEAR_MISS = 1.5             # a faster layout that needs up to 1.5x the budget is worth showing
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
 
 
@@ -66,7 +67,8 @@ class Cluster:
 class PlanOptions:
     """What a plan must honour and what its estimate assumes.
 
-    `fixed` pins any of FIXABLE ("auto" = free). global_batch_size defaults to 4 sequences per
+    `fixed` pins any of FIXABLE ("auto" = free), `recompute` the activation recompute level
+    ("auto": per layout the lightest that fits). global_batch_size defaults to 4 sequences per
     GPU (8 -> 32, 512 -> 2048), seq_len to the model's. `margin` is the share of GPU memory
     left free, `mfu` the share of peak sustained; `state` and `dtype_bytes` are the bytes per
     parameter of weights, gradients and optimizer, and per activation (bf16 mixed precision
@@ -80,6 +82,7 @@ class PlanOptions:
     state: StateBytes = MIXED_ADAMW
     dtype_bytes: float = 2
     max_micro_batch: int = MAX_MICRO_BATCH
+    recompute: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class _Ctx:
     top_k: int = 1
     peak_flops: float = 0.0     # dense peak, all GPUs together (MFU's denominator)
     soft_ok: bool = False       # rules of thumb become warnings (a pinned layout must run)
+    recompute: str = "auto"     # a pinned level, or "auto": the lightest that fits
+    block_params: float = 0.0   # active parameters of the decoder blocks (full recompute reruns)
 
     def choices(self, name: str, free: Sequence[Any]) -> Sequence[Any]:
         return [self.fixed[name]] if name in self.fixed else free
@@ -191,28 +196,35 @@ def _expand(ctx: _Ctx, degrees: tuple[int, ...], schedule: str, v: int, found: l
 
 
 # ---- estimates ---------------------------------------------------------------------------------
+def activation_shape(model: ModelArgs, lay: ParallelLayout, dtype_bytes: float,
+                     top_k: int = 1) -> ActivationShape:  # one rank's micro-batch
+    return ActivationShape(model.seq_len, lay.micro_batch_size, model.dim, model.n_heads,
+                           model.ffn_hidden, lay.tp, lay.cp, top_k, dtype_bytes)
+
+
 def _memory(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str,
             states: MemoryLedger) -> MemoryLedger:
+    """activations: what the engine saves for backward (blocks of in-flight micro-batches, and
+    the head of one, charged to every stage: conservative); buffers: transient working sets."""
     model = ctx.model
-    args = (model.seq_len, lay.micro_batch_size, model.dim, model.n_heads, lay.tp, lay.cp)
-    layer = layer_activation_bytes(*args, recompute, ctx.dtype_bytes, ctx.top_k)
+    shape = activation_shape(model, lay, ctx.dtype_bytes, ctx.top_k)
+    layer = block_activation_bytes(shape, recompute)
     in_flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)
     acts = stage_activation_bytes(layer, model.n_layers, lay.pp, in_flight, lay.pp_virtual_stages)
-    if recompute == "full":  # the layer being recomputed is live in full (flash-style attention)
-        acts += layer_activation_bytes(*args, "selective", ctx.dtype_bytes, ctx.top_k)
-    # fp32 logits of one micro-batch on the last stage (charged to every stage: conservative)
-    acts += 4 * lay.micro_batch_size * (model.seq_len / lay.cp) * model.vocab_size / lay.tp
-    buffers = 0.0
+    acts += head_activation_bytes(shape, model.vocab_size, model.head_dim)
+    # The block being recomputed in backward holds what `none` would, for that block only.
+    buffers = block_activation_bytes(shape, "none") if recompute == "full" else 0.0
     if lay.zero == 3:  # the current and the prefetched layer are gathered in full
         per_layer = (ctx.params - ctx.experts * (1 - 1 / lay.ep)) / model.n_layers
-        buffers = 2 * per_layer / lay.tp * ctx.state.weights
+        buffers += 2 * per_layer / lay.tp * ctx.state.weights
     return MemoryLedger(states.params, states.grads, states.optimizer, acts, buffers)
 
 
 def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTime:
     model, net, dt = ctx.model, ctx.network, ctx.dtype_bytes
     cross = crossing_dims(lay.pp, lay.dp, lay.cp, lay.tp, lay.ep, ctx.gpn)
-    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len, recompute)
+    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len, recompute,
+                                  ctx.block_params)
     compute = flops * ctx.gbs * model.seq_len / ctx.flops_per_s
     b, s_local = ctx.gbs // lay.dp, model.seq_len / lay.cp
     layers, experts = math.ceil(model.n_layers / lay.pp), ctx.experts
@@ -227,7 +239,8 @@ def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTi
     raw = dp_comm(dense_grads, lay.dp * lay.cp, lay.zero, m, per_micro).time(dp_link)
     if experts:
         expert_grads = experts / (lay.tp * lay.pp * lay.ep) * ctx.state.grads
-        raw += dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m, per_micro).time(dp_link)
+        expert_dp = dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m, per_micro)
+        raw += expert_dp.time(dp_link)
     t["dp_comm_s"] = raw - min(DP_OVERLAP * raw, compute)
     if lay.pp > 1:
         comm = pp_comm(lay.micro_batch_size, s_local, model.dim, m, dt, lay.tp)
@@ -246,49 +259,26 @@ def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTi
 
 
 def _estimate(ctx: _Ctx, lay: ParallelLayout, m: int) -> Estimate:
-    """The cheapest recompute that fits; full recompute (the smallest need) when none does."""
+    """The pinned recompute level, or the lightest that fits (full, the smallest, if none)."""
     states = model_state_memory(ctx.params, lay.dp, lay.zero, ctx.state, tp=lay.tp, pp=lay.pp,
                                 cp=lay.cp, ep=lay.ep, expert_params=ctx.experts)
-    recompute, memory = "full", _memory(ctx, lay, m, "full", states)
-    if memory.total <= ctx.budget:  # otherwise nothing lighter can fit either
+    pinned = ctx.recompute != "auto"
+    recompute = ctx.recompute if pinned else "full"
+    memory = _memory(ctx, lay, m, recompute, states)
+    if not pinned and memory.total <= ctx.budget:  # otherwise nothing lighter can fit either
         for level in ("none", "selective"):
             candidate = _memory(ctx, lay, m, level, states)
             if candidate.total <= ctx.budget:
                 recompute, memory = level, candidate
                 break
-    model = ctx.model
+    tokens, model = ctx.gbs * ctx.model.seq_len, ctx.model
     flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len)
-    tokens = ctx.gbs * model.seq_len
     return Estimate(lay, recompute, m, memory, _step_time(ctx, lay, m, recompute), ctx.budget,
                     tokens, flops_per_step=flops * tokens, peak_flops=ctx.peak_flops,
-                    warnings=tuple(_soft_warnings(lay, m)))
-
-
-def _soft_warnings(lay: ParallelLayout, m: int) -> list[str]:
-    """Rules of thumb a layout breaks, each with what it costs (they never refuse a layout)."""
-    if lay.pp == 1 or m >= 4 * lay.pp:
-        return []
-    now = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages), m)
-    good = bubble_fraction(bubble_time(lay.pp_schedule, lay.pp, virtual=lay.pp_virtual_stages),
-                           4 * lay.pp)
-    return [f"pipeline bubble {100 * now:.0f}% with {m} micro-batches; {4 * lay.pp} would give "
-            f"{100 * good:.0f}% (raise train.global_batch_size or lower micro_batch_size)"]
+                    warnings=tuple(soft_warnings(lay, m)))
 
 
 # ---- choice and explanation --------------------------------------------------------------------
-def _choose(found: list[Estimate]) -> tuple[Estimate, list[Estimate]]:
-    per_layout: dict[tuple[ParallelLayout, bool], Estimate] = {}
-    for e in sorted(found, key=Estimate.key):  # per set of degrees: best fitting, best not fitting
-        per_layout.setdefault((replace(e.layout, micro_batch_size=1, zero=1), e.fits), e)
-    ranked = list(per_layout.values())
-    fitting = [e for e in ranked if e.fits]
-    best = fitting[0]
-    near_misses = [e for e in ranked if not e.fits and e.time.total_s < best.time.total_s
-                   and e.memory.total <= NEAR_MISS * e.budget_bytes][:2]
-    others = sorted(fitting[1:5] + near_misses, key=Estimate.key)
-    return best, [replace(e, reason=why_lost(e, best)) for e in others]
-
-
 def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanError:
     head = (f"no layout of {ctx.gpus} GPUs ({ctx.gpn} per node) fits a {ctx.params / 1e9:.3g}B-"
             f"parameter model in {gib(ctx.budget):.1f} GiB per GPU")
@@ -316,6 +306,9 @@ def _pinned_degrees(cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
     if bad or unknown or pinned.get("zero", 1) not in ZERO_PREFERENCE:
         raise PlanError(f"need positive integers (bad: {bad}), fixed keys among {FIXABLE} "
                         f"(unknown: {unknown}) and zero in 0..3 (got {pinned.get('zero', 1)!r})")
+    if o.recompute not in ("auto",) + RECOMPUTE:
+        raise PlanError(f"parallel.recompute: {o.recompute!r} must be one of "
+                        f"{('auto',) + RECOMPUTE}")
     mem, peak = cluster.gpu_mem_gib, cluster.peak_flops
     if not (mem > 0 and 0 <= o.margin < 1 and 0 < o.mfu <= 1 and peak > 0):
         raise PlanError(f"need gpu_mem_gib > 0, 0 <= margin < 1, 0 < mfu <= 1, peak_flops > 0; "
@@ -323,21 +316,41 @@ def _pinned_degrees(cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
     return pinned
 
 
+def _context(model: ModelArgs, cluster: Cluster, options: PlanOptions) -> _Ctx:
+    pinned = _pinned_degrees(cluster, options)
+    o, gpus, peak = options, cluster.gpus, cluster.peak_flops
+    if o.seq_len is not None and o.seq_len != model.seq_len:
+        model = replace(model, seq_len=o.seq_len)
+    return _Ctx(model, gpus, cluster.gpus_per_node, o.global_batch_size or 4 * gpus,
+                cluster.gpu_mem_gib * 2 ** 30 * (1 - o.margin), cluster.network,
+                gpus * peak * o.mfu, o.state, o.dtype_bytes, o.max_micro_batch, pinned,
+                model.num_params(), model.num_params(active=True), model.expert_params(),
+                model.moe.top_k if model.moe else 1, gpus * peak, recompute=o.recompute,
+                block_params=model.n_layers * model.layer_params(active=True))
+
+
+def estimate_layout(model: ModelArgs, layout: ParallelLayout, cluster: Cluster,
+                    options: PlanOptions = PlanOptions()) -> Estimate:
+    """The planner's estimate of one given layout (no search): its memory per GPU with the
+    recompute level `options.recompute` ("auto": the lightest that fits), step time and MFU.
+    `cluster.gpus` must be the layout's world size; the global batch must split evenly."""
+    if layout.world_size != cluster.gpus:
+        raise PlanError(f"layout {layout.describe()} has {layout.world_size} ranks, "
+                        f"the cluster {cluster.gpus}")
+    ctx = _context(model, cluster, options)
+    problems = layout.batch_problems(ctx.gbs)
+    if problems:
+        raise PlanError(problems[0])
+    return _estimate(ctx, layout, ctx.gbs // (layout.dp * layout.micro_batch_size))
+
+
 def plan_layout(model: ModelArgs, cluster: Cluster,
                 options: PlanOptions = PlanOptions()) -> PlanResult:
     """The fastest layout of `cluster`'s GPUs that fits, honouring `options` (see PlanOptions).
     Raises PlanError when nothing fits, naming the smallest memory need found."""
-    pinned = _pinned_degrees(cluster, options)
-    o, gpus, gpus_per_node, peak = options, cluster.gpus, cluster.gpus_per_node, cluster.peak_flops
-    if o.seq_len is not None and o.seq_len != model.seq_len:
-        model = replace(model, seq_len=o.seq_len)
-    ctx = _Ctx(model, gpus, gpus_per_node, o.global_batch_size or 4 * gpus,
-               cluster.gpu_mem_gib * 2 ** 30 * (1 - o.margin), cluster.network,
-               gpus * peak * o.mfu, o.state, o.dtype_bytes, o.max_micro_batch, pinned,
-               model.num_params(), model.num_params(active=True), model.expert_params(),
-               model.moe.top_k if model.moe else 1, gpus * peak)
+    ctx = _context(model, cluster, options)
     found, rejected = _search(ctx)
-    if not any(e.fits for e in found) and "pp" in pinned:
+    if not any(e.fits for e in found) and "pp" in ctx.fixed:
         # The user pinned a pipeline: the m >= 4*pp rule of thumb becomes a warning.
         logger.info("no pinned-pp layout keeps m >= 4*pp; searching again with it as a warning")
         found, rejected = _search(replace(ctx, soft_ok=True))
@@ -345,28 +358,29 @@ def plan_layout(model: ModelArgs, cluster: Cluster,
         err = _no_fit_error(ctx, found, rejected)
         logger.warning("plan failed: %s", err)
         raise err
-    best, runners_up = _choose(found)
+    best, runners_up = choose_best(found)
+    how = "pinned" if ctx.recompute != "auto" else "the lightest that fits"
     best = replace(best, reason=f"fastest that fits: {best.time.total_s:.4g} s/step, "
                    f"{gib(best.memory.total):.1f} of {gib(ctx.budget):.1f} GiB, recompute="
-                   f"{best.recompute} ({sum(e.fits for e in found)} of {len(found)} fit)")
-    logger.info("plan for %d GPUs (%d/node): %s %s; %s", gpus, gpus_per_node,
+                   f"{best.recompute} ({how}; {sum(e.fits for e in found)} of {len(found)} fit)")
+    logger.info("plan for %d GPUs (%d/node): %s %s; %s", ctx.gpus, ctx.gpn,
                 best.layout.describe(), best.layout.to_dict(), best.reason)
     for warning in best.warnings:
         logger.warning("plan %s runs, but: %s", best.layout.describe(), warning)
-    request = {"gpus": gpus, "gpus_per_node": gpus_per_node, "global_batch_size": ctx.gbs,
+    request = {"gpus": ctx.gpus, "gpus_per_node": ctx.gpn, "global_batch_size": ctx.gbs,
                "seq_len": ctx.model.seq_len, "fixed": ctx.fixed}
-    return PlanResult(best, runners_up, dict(rejected), len(found), request,
-                      dict(cluster.hardware or {}, peak_flops_per_gpu=peak, mfu_assumed=o.mfu))
+    hardware = dict(cluster.hardware or {}, peak_flops_per_gpu=cluster.peak_flops,
+                    mfu_assumed=options.mfu)
+    return PlanResult(best, runners_up, dict(rejected), len(found), request, hardware)
 
 
 def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size: int, dtype: str,
                 cluster: Cluster, pin_zero: bool = False) -> PlanResult:
     """plan_layout honoring the spec's `parallel` section (a plain mapping, "auto" = free), its
-    global batch and train.dtype: every degree that is not "auto" is pinned, and so are
-    micro_batch_size, seq_len and the global batch. The ZeRO stage is free only while dp is
-    "auto" (a user who fixes dp has sized the replicas, so their zero stays); the schedule and
-    virtual stages are free only while pp is "auto". train.dtype float32 plans fp32 AdamW
-    (4+4+8 B/param, 4-byte activations), otherwise bf16 mixed precision."""
+    global batch and train.dtype (`precision`): every degree that is not "auto" is pinned, and
+    so are micro_batch_size, recompute, seq_len and the global batch. The ZeRO stage is free
+    only while dp is "auto" (a user who fixes dp has sized the replicas, so their zero stays);
+    the schedule and virtual stages are free only while pp is "auto"."""
     p = parallel
     fixed: dict[str, Any] = {k: p[k] for k in ("dp", "tp", "pp", "cp", "ep") if p[k] != "auto"}
     if p["dp"] != "auto" or pin_zero:  # the controller keeps a running job's zero stage
@@ -374,7 +388,13 @@ def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size
     if p["pp"] != "auto":
         fixed.update(pp_schedule=p["pp_schedule"], pp_virtual_stages=p["pp_virtual_stages"])
     fixed["micro_batch_size"] = p["micro_batch_size"]
-    fp32 = dtype == "float32"
     return plan_layout(model, cluster, PlanOptions(
-        global_batch_size, model.seq_len, fixed, state=FP32_ADAMW if fp32 else MIXED_ADAMW,
-        dtype_bytes=4 if fp32 else 2))
+        global_batch_size, model.seq_len, fixed, recompute=p.get("recompute", "auto"),
+        **precision(dtype)))
+
+
+def precision(dtype: str) -> dict[str, Any]:
+    """PlanOptions' state and activation bytes for train.dtype: float32 plans fp32 AdamW
+    (4+4+8 B/param, 4-byte activations), anything else bf16 mixed precision."""
+    fp32 = dtype == "float32"
+    return {"state": FP32_ADAMW if fp32 else MIXED_ADAMW, "dtype_bytes": 4 if fp32 else 2}

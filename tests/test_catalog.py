@@ -286,9 +286,11 @@ def test_retention_over_twenty_saves(cat: Catalog, keep_last: int, keep_every: i
         for step in steps:
             save(cat, step)
             if every_save:
-                deleted += [d.step for d in cat.apply_retention(keep_last, keep_every)]
+                deleted += [d.step for d in cat.apply_retention(keep_last, keep_every,
+                                                                head=step)]
         if not every_save:
-            deleted = [d.step for d in cat.apply_retention(keep_last, keep_every)]
+            deleted = [d.step for d in cat.apply_retention(keep_last, keep_every,
+                                                           head=steps[-1])]
     want = expected_kept(steps, keep_last, keep_every)
     assert set(cat.committed_steps()) == want
     assert sorted(deleted) == sorted(set(steps) - want)
@@ -303,7 +305,7 @@ def test_retention_deletes_leftovers_but_not_in_progress(cat: Catalog) -> None:
     save(cat, 15, commit=False)
     save(cat, 40, commit=False)  # newer than every committed one, but nobody is writing it
     save(cat, 50, commit=False)  # being written right now
-    deleted = cat.apply_retention(2, 0, in_progress={50})
+    deleted = cat.apply_retention(2, 0, head=30, in_progress={50})
     assert {(d.step, d.committed) for d in deleted} == {(10, True), (15, False), (40, False)}
     assert all("uncommitted" in d.reason for d in deleted if not d.committed)
     assert [(v.step, v.committed) for v in cat.versions()] == [(20, True), (30, True),
@@ -314,15 +316,15 @@ def test_newest_committed_and_protected_survive(cat: Catalog) -> None:
     for step in (10, 20, 30):
         save(cat, step)
     flip_byte(cat, "step-00000030/.metadata")  # newest is damaged: the job resumed from 20
-    cat.apply_retention(1, 0, protect={20})
+    cat.apply_retention(1, 0, head=30, protect={20})
     assert cat.committed_steps() == [20, 30]
     assert cat.latest_committed().step == 20
-    cat.apply_retention(1, 0)
+    cat.apply_retention(1, 0, head=30)
     assert cat.committed_steps() == [30]
     with pytest.raises(ValueError, match="keep_last"):
-        cat.apply_retention(0, 0)
+        cat.apply_retention(0, 0, head=30)
     with pytest.raises(ValueError, match="keep_every"):
-        cat.apply_retention(1, -1)
+        cat.apply_retention(1, -1, head=30)
 
 
 def test_delete_removes_manifest_before_files(cat: Catalog, monkeypatch) -> None:
@@ -333,11 +335,11 @@ def test_delete_removes_manifest_before_files(cat: Catalog, monkeypatch) -> None
         raise StorageError("crash mid-delete")
 
     monkeypatch.setattr(cat.storage, "delete_tree", crash)
-    assert cat.apply_retention(1, 0) == []  # failure is logged, not raised
+    assert cat.apply_retention(1, 0, head=20) == []  # failure is logged, not raised
     monkeypatch.undo()
     # the manifest went first, so the half-deleted version is a leftover, not a broken commit
     assert [(v.step, v.committed) for v in cat.versions()] == [(10, False), (20, True)]
-    assert [d.step for d in cat.apply_retention(1, 0)] == [10]
+    assert [d.step for d in cat.apply_retention(1, 0, head=20)] == [10]
 
 
 ops = st.lists(st.tuples(st.integers(1, 6), st.booleans()), min_size=1, max_size=14)
@@ -358,6 +360,7 @@ def test_retention_property(ops: list[tuple[int, bool]], keep_last: int, keep_ev
     protected = {committed[i] for i in protect if i < len(committed)}
     before = {v.step for v in cat.versions()}
     deleted = {d.step for d in cat.apply_retention(keep_last, keep_every,
+                                                   head=max(committed, default=0),
                                                    in_progress=in_progress, protect=protected)}
     after = cat.versions()
     kept = {v.step for v in after}

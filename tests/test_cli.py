@@ -66,10 +66,12 @@ def test_user_errors_exit_2_with_field(capsys, tmp_path):
 def test_data_prepare_writes_tokens(capsys, tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("hello tenax")
-    out = tmp_path / "tokens.bin"
-    doc = run_json(capsys, "data", "prepare", str(text), "--out", f"file://{out}")
-    assert doc["n_docs"] == 1 and doc["n_tokens"] == len("hello tenax") + 1  # + end-of-document
-    assert out.stat().st_size == doc["n_tokens"] * 2
+    out = tmp_path / "tokens"  # an indexed dataset prefix: tokens.bin + tokens.idx
+    doc = run_json(capsys, "data", "prepare", str(text), "--out", f"file://{out}",
+                   "--workers", "1")
+    assert doc["documents"] == 1 and doc["tokens"] == len("hello tenax") + 1  # + end-of-document
+    assert (tmp_path / "tokens.bin").stat().st_size == doc["tokens"] * 2
+    assert (tmp_path / "tokens.idx").is_file()
 
 
 def test_console_script_runs():

@@ -256,8 +256,10 @@ def test_token_file_errors(mem_root: str, tmp_path: Path) -> None:
     tokens[5] = 999
     write_tokens(bad, tokens)
     loader = TokenDataLoader(DataSpec(source=bad), SEQ, VOCAB, SEED, 1)
-    with pytest.raises(ValueError, match=f"{bad}.*token 999 at index 5.*vocab_size=512"):
+    with pytest.raises(ValueError, match=r"a token id outside \[0, model.vocab_size=512\) in "
+                       f"sample 0 of '{bad}'") as err:
         loader.batch(0, 0, 1)
+    assert "999" not in str(err.value)  # the data's values never reach an error message
 
     with pytest.raises(FileNotFoundError, match="missing.bin"):
         TokenDataLoader(DataSpec(source=f"memory://{mem_root}/missing.bin"), SEQ, VOCAB, SEED, G)
@@ -277,3 +279,46 @@ def test_prepare_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="broken.txt.*not valid UTF-8 near byte 3"):
         prepare_token_file([good.as_uri(), broken.as_uri()], out)
     assert not (tmp_path / "out.bin").exists()
+
+
+def train_bpe(path: Path, vocab_size: int = 300) -> int:
+    """A byte-level BPE tokenizer.json trained here (nothing from a hub); its vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}"
+             for i in range(200)]
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+def test_vocab_size_auto_comes_from_the_tokenizer(tmp_path: Path) -> None:
+    from tenax.workers.data import resolve_eos_id
+    from tenax.workers.spec import load_spec
+
+    path = tmp_path / "tokenizer.json"
+    size = train_bpe(path)
+    spec = load_spec(overrides=[f"data.tokenizer={path}", "model.vocab_size=auto"])
+    assert spec.model.vocab_size == -(-size // 64) * 64 >= size
+    assert resolve_eos_id(spec.data) == 0  # "<|endoftext|>", the first special token
+    assert load_spec(overrides=[f"data.tokenizer={path}", "data.eos_id=5"]).data.eos_id == 5
+
+
+def test_vocab_size_errors(tmp_path: Path) -> None:
+    from tenax.workers.errors import SpecError
+    from tenax.workers.spec import load_spec
+
+    path = tmp_path / "tokenizer.json"
+    size = train_bpe(path)
+    with pytest.raises(SpecError, match=f"model.vocab_size: 64 is smaller than the vocabulary "
+                                        f"of data.tokenizer \\({size} tokens\\)"):
+        load_spec(overrides=[f"data.tokenizer={path}", "model.vocab_size=64"])
+    with pytest.raises(SpecError, match="model.vocab_size: 'auto' needs data.tokenizer"):
+        load_spec(overrides=["model.vocab_size=auto"])
+    with pytest.raises(SpecError, match="data.tokenizer: .*does not exist"):
+        load_spec(overrides=[f"data.tokenizer={tmp_path / 'nope.json'}",
+                             "model.vocab_size=auto"])

@@ -23,6 +23,7 @@ EXAMPLES = {
     "snapshot": {"step": 20, "bytes": 1024, "seconds": 0.01, "generation": 1},
     "snapshots_off": {"reason": "checkpoint.memory_every_steps=1: 3 GiB per node exceeds 0.5 x 4 GiB"},
     "checkpoint": {"step": 20, "blocked_s": 0.01, "total_s": 0.4},
+    "eval": {"step": 100, "loss": 3.25, "tokens": 40960, "seconds": 0.8},
     "checkpoint_failed": {"step": 20, "cause": "OSError: disk full"},
     "checkpoint_loaded": {"step": 20, "seconds": 1.5},
     "scaled": {"step": 8, "from": LAYOUT, "from_world": 2, "layout": LAYOUT, "world_size": 4,

@@ -7,6 +7,7 @@ refused before a controller exists), so no Ray cluster is needed.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -62,7 +63,7 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# ---- item 2: an override cannot exhaust the server --------------------------------------------
+# ---- an override cannot exhaust the server --------------------------------------------
 @pytest.mark.slow  # an in-process gRPC server
 def test_alias_bomb_override_is_refused_with_a_short_message(server: dict[str, Any]) -> None:
     before = rss_bytes()
@@ -82,7 +83,7 @@ def test_a_long_bad_value_is_echoed_as_a_short_prefix() -> None:
     assert len(str(err.value)) < 300
 
 
-# ---- item 5: numbers must fit their wire type ----------------------------------------------
+# ---- numbers must fit their wire type ----------------------------------------------
 @pytest.mark.slow  # an in-process gRPC server
 @pytest.mark.parametrize("override", ["train.steps=9223372036854775808",
                                       "train.steps=100000000", "resources.nodes=2147483648",
@@ -103,7 +104,7 @@ def test_a_json_spec_with_a_huge_step_count_is_refused(server: dict[str, Any]) -
     assert code == INVALID and "train.steps" in details
 
 
-# ---- item 3: storage roots -------------------------------------------------------------------
+# ---- storage roots -------------------------------------------------------------------
 def test_uris_are_normalised_before_the_root_check(tmp_path: Path) -> None:
     roots = StorageRoots([f"file://{tmp_path}/jobs", "s3://bucket/tenax"])
     assert str(roots.check(f"file://{tmp_path}/jobs/a//b/", "checkpoint.uri")) == \
@@ -142,7 +143,27 @@ def test_the_server_refuses_uris_outside_its_roots(server: dict[str, Any],
     assert s.ListJobs(pb.ListJobsRequest(), timeout=30).jobs == []
 
 
-# ---- item 4: exposure ------------------------------------------------------------------------
+@pytest.mark.slow  # an in-process gRPC server
+def test_files_that_validation_opens_are_root_checked_before_they_are_opened(
+        server: dict[str, Any], tmp_path: Path) -> None:
+    """A tokenizer (read for `vocab_size: auto`) or `init_from` outside the roots is refused
+    before the server opens it: here a FIFO, which would block the server if it were opened."""
+    s, state = server["stub"], server["state"]
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    os.mkfifo(hf_dir / "config.json")
+    inside = f"checkpoint.uri=file://{state}/jobs/raw-check"
+    for overrides, field in (([f"data.tokenizer=file://{fifo}", "model.vocab_size=auto"],
+                              "data.tokenizer"),
+                             ([f"model.init_from=file://{hf_dir}"], "model.init_from")):
+        code, details = submit_code(s, "{}", [inside, *overrides])
+        assert code == INVALID and field in details and "storage roots" in details, details
+    assert s.ListJobs(pb.ListJobsRequest(), timeout=30).jobs == []
+
+
+# ---- exposure ------------------------------------------------------------------------
 def test_serving_beyond_loopback_needs_a_token_or_insecure(tmp_path: Path) -> None:
     for host in ("127.0.0.1", "::1", "localhost"):
         check_exposure(host, False, False)

@@ -235,3 +235,81 @@ def test_any_returned_layout_is_valid(model: ModelArgs, gpus: int, gpn: int, gbs
         assert str(err).startswith((f"no layout of {gpus} GPUs", f"no valid layout of {gpus} GPUs"))
         return
     check_plan(result, model, gpus, gpn)
+
+
+# ---- activation recompute and published runs ---------------------------------------------------
+def test_pinned_recompute_is_honoured_and_charged() -> None:
+    from tenax.parallel.planner import estimate_layout
+
+    model, cluster = ModelArgs(), Cluster(4, 4)
+    auto = plan_layout(model, cluster, PlanOptions(global_batch_size=32))
+    assert auto.best.recompute == "none" and "the lightest that fits" in auto.best.reason
+    for level in ("selective", "full"):
+        pinned = plan_layout(model, cluster, PlanOptions(global_batch_size=32, recompute=level))
+        assert pinned.best.recompute == level and "(pinned;" in pinned.best.reason
+        assert pinned.best.time.compute_s > auto.best.time.compute_s
+        same = estimate_layout(model, pinned.layout, cluster,
+                               PlanOptions(global_batch_size=32, recompute=level))
+        assert same.memory == pinned.best.memory and same.time == pinned.best.time
+    full = plan_layout(model, cluster, PlanOptions(global_batch_size=32, recompute="full"))
+    assert full.best.memory.activations < auto.best.memory.activations
+    assert full.best.memory.buffers > 0, "the block being recomputed is a transient buffer"
+    with pytest.raises(PlanError, match="parallel.recompute: 'most'"):
+        plan_layout(model, cluster, PlanOptions(global_batch_size=32, recompute="most"))
+    spec = JobSpec.model_validate({"parallel": {"recompute": "selective"}})
+    assert plan_for_spec(spec, 4, 2).best.recompute == "selective"
+
+
+def _plan_cli(capsys: pytest.CaptureFixture, *argv: str) -> dict:
+    from tenax.orchestrator.cli.main import main
+
+    assert main(["plan", "layout", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+LLAMA3_405B_RUN = ("--model-preset", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8",
+                   "--gpu", "h100", "--set", "parallel.tp=8", "--set", "parallel.pp=16",
+                   "--set", "parallel.cp=1", "--set", "parallel.dp=128")
+
+
+@pytest.mark.parametrize("extra", [(), ("--set", "model.seq_len=8192")], ids=["preset", "8k"])
+def test_published_405b_run_is_planned_with_its_batch(capsys, extra: tuple[str, ...]) -> None:
+    doc = _plan_cli(capsys, *LLAMA3_405B_RUN, "--global-batch-size", "2048", *extra)
+    lay = doc["layout"]
+    assert (lay["tp"], lay["pp"], lay["cp"], lay["dp"]) == (8, 16, 1, 128)
+    assert doc["global_batch_size"] == 2048 and doc["estimate"]["microbatches"] == 16
+    assert doc["recompute"] in ("none", "selective", "full") and 0 < doc["chosen"]["mfu"] < 0.4
+    if extra:
+        assert doc["seq_len"] == 8192
+    via_set = _plan_cli(capsys, *LLAMA3_405B_RUN, "--set", "train.global_batch_size=2048", *extra)
+    assert via_set["global_batch_size"] == 2048 and via_set["layout"] == lay
+
+
+def test_train_keys_and_recompute_reach_a_preset_plan(capsys) -> None:
+    base = ("--model-preset", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8",
+            "--global-batch-size", "64")
+    mixed = _plan_cli(capsys, *base, "--set", "parallel.dp=8", "--set", "parallel.zero=3")
+    fp32 = _plan_cli(capsys, *base, "--set", "parallel.dp=8", "--set", "parallel.zero=3",
+                     "--set", "train.dtype=float32")
+    # 16 B/param either way, but fp32 holds 4-byte weights and grads where bf16 holds 2
+    assert fp32["estimate"]["memory"]["params_gib"] == pytest.approx(
+        2 * mixed["estimate"]["memory"]["params_gib"], rel=1e-3)
+    full = _plan_cli(capsys, *base, "--set", "parallel.recompute=full")
+    assert full["recompute"] == "full" and full["global_batch_size"] == 64
+
+
+def test_cpu_slots_plan_with_the_hosts_memory(capsys, tmp_path) -> None:
+    import os
+
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    doc = _plan_cli(capsys, "--model-preset", "tiny", "--gpus", "4", "--gpus-per-node", "2",
+                    "--set", "resources.device=cpu")
+    assert doc["memory_budget_gib"] == pytest.approx(host_gib / 2 * 0.9, rel=1e-2)
+    spec = tmp_path / "cpu.yaml"
+    spec.write_text("resources: {device: cpu, gpus_per_node: 4}\n")
+    doc = _plan_cli(capsys, "--spec", str(spec), "--gpus", "4", "--gpus-per-node", "4",
+                    "--global-batch-size", "16")
+    assert doc["memory_budget_gib"] == pytest.approx(host_gib / 4 * 0.9, rel=1e-2)
+    assert doc["global_batch_size"] == 16
+    gpu = _plan_cli(capsys, "--model-preset", "tiny", "--gpus", "4", "--gpus-per-node", "2")
+    assert gpu["memory_budget_gib"] == pytest.approx(80 * 0.9)

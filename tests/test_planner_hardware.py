@@ -34,10 +34,12 @@ def test_gpu_table_holds_the_vendor_figures() -> None:
 
 
 def test_pinned_published_layout_reports_consistent_figures(capsys) -> None:
-    """Llama 3 70B as tp8 x pp4 on 64 H100s: the degrees given with --set are kept, and the
-    printed MFU, tokens/s, step time and memory agree with each other and with the GPU."""
+    """Llama 3 70B as tp8 x pp4 x cp1 on 64 H100s: the degrees given with --set are kept, and
+    the printed MFU, tokens/s, step time and memory agree with each other and with the GPU.
+    (cp is pinned too: left free, cp2 wins, since it avoids the full recompute dp2 needs.)"""
     doc = plan_json(capsys, "--model-preset", "llama3-70b", "--gpus", "64", "--gpus-per-node",
-                    "8", "--gpu", "h100", "--set", "parallel.tp=8", "--set", "parallel.pp=4")
+                    "8", "--gpu", "h100", "--set", "parallel.tp=8", "--set", "parallel.pp=4",
+                    "--set", "parallel.cp=1")
     assert doc["layout"]["tp"] == 8 and doc["layout"]["pp"] == 4 and doc["layout"]["dp"] == 2
     chosen, hw = doc["chosen"], doc["hardware"]
     assert hw["name"] == "h100" and hw["peak_flops_per_gpu"] == 989e12

@@ -1,7 +1,6 @@
 """Replicas streamed agent to agent: whole and checksummed, or not published at all."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
@@ -12,15 +11,18 @@ import pytest
 from tenax.checkpoint.errors import SnapshotError
 from tenax.checkpoint.memory.snapshot_store import (SNAPSHOT_ENV, SnapshotDir, SnapshotStamp,
                                                     crc32c_of)
+from tenax.workers.replica_auth import MAC_BYTES, client_handshake
 from tenax.workers.replica_stream import (CRC_STRETCH, MAGIC, Endpoint, recv_checksummed,
-                                          send_snapshot)
-from tenax.workers.snapshot_keeper import SnapshotKeeper
+                                          recv_exactly, send_snapshot)
+from tenax.workers.snapshot_keeper import ReplicaTerms, SnapshotKeeper
 
 pytestmark = pytest.mark.timeout(120)
 
 COMMIT = {"layout": {"dp": 2}, "model_hash": "h", "data_cursor": 8, "seed": 0, "lr_step": 3,
           "extra": {"format": "tenax-raw-2"}}
 RANK, GEN = 1, 4
+SECRET = "s" * 64
+TERMS = ReplicaTerms(SECRET, 2, (RANK,), ("127.0.0.1",))
 
 
 def _files(step: int) -> dict[str, bytes]:
@@ -39,7 +41,7 @@ def pair(tmp_path, monkeypatch):
     """A sender's local snapshot directory and a receiving agent's keeper with its endpoint."""
     monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path / "shm"))
     receiver = SnapshotKeeper()
-    receiver.configure("stream-job", 0, None, GEN)
+    receiver.configure("stream-job", 0, None, GEN, TERMS)
     local = SnapshotDir(str(tmp_path / "sender"))
 
     def send(step: int, files: dict[str, bytes] | None = None,
@@ -48,7 +50,8 @@ def pair(tmp_path, monkeypatch):
         stamp = stamp or _stamp(step, files)
         local.write(stamp, files)
         _, paths = local.paths(GEN, RANK, step)
-        return send_snapshot(endpoint or receiver.endpoint("127.0.0.1"), stamp, paths, 10.0)
+        return send_snapshot(endpoint or receiver.endpoint("127.0.0.1"), stamp, paths, 10.0,
+                             secret=SECRET.encode(), job_id="stream-job")
 
     yield receiver, send
     receiver.drop_job()
@@ -161,9 +164,11 @@ def test_a_sender_that_dies_mid_stream_leaves_nothing_visible(pair):
     receiver, send = pair
     send(11)
     endpoint, files = receiver.endpoint("127.0.0.1"), _files(12)
-    header = json.dumps({"token": endpoint.token, "stamp": _stamp(12, files).to_json()}).encode()
     with socket.create_connection((endpoint.host, endpoint.port), timeout=10) as sock:
-        sock.sendall(MAGIC + struct.pack(">I", len(header)) + header)
+        session = client_handshake(sock, SECRET.encode(), MAGIC,
+                                   lambda view: recv_exactly(sock, view))
+        header = session.header(endpoint.token, "stream-job", _stamp(12, files).to_json())
+        sock.sendall(struct.pack(">I", len(header) - MAC_BYTES) + header)
         assert sock.recv(2) == b"GO"
         sock.sendall(files[".metadata"] + files["__1_0.distcp"][:5000])  # then it dies
         sock.shutdown(socket.SHUT_WR)
@@ -203,7 +208,7 @@ def test_a_refusal_ends_the_stream_cleanly_while_the_sender_still_has_bytes_in_f
 def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypatch):
     monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
     keeper = SnapshotKeeper()
-    keeper.configure("ending", 0, None, GEN)
+    keeper.configure("ending", 0, None, GEN, TERMS)
     files = _files(11)
 
     def fill(name: str, view: memoryview) -> int:
@@ -213,7 +218,7 @@ def test_a_replica_arriving_as_the_job_ends_is_not_published(tmp_path, monkeypat
         return crc32c_of([view])
 
     for last in (".metadata", "empty"):  # a file still to come / all arrived, not published
-        keeper.configure("ending", 0, None, GEN)
+        keeper.configure("ending", 0, None, GEN, TERMS)
         with pytest.raises(SnapshotError, match="ended|No such file"):
             keeper.land_replica(_stamp(11, files), fill)
         assert not os.path.exists(keeper.job_root) and keeper.inventory() == []

@@ -244,11 +244,11 @@ def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_comp
     """Ranks 2 and 3 live on the lost node; rank 2's replica of step 12 arrived, rank 3's did not.
     Step 11 must still be whole: every rank's piece of it is somewhere (replicas keep two)."""
     from tenax.checkpoint.memory.snapshot_store import SNAPSHOT_ENV
-    from tenax.workers.snapshot_keeper import SnapshotKeeper
+    from tenax.workers.snapshot_keeper import ReplicaTerms, SnapshotKeeper
 
     monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path))
     survivor = SnapshotKeeper()  # the agent holding ranks 2 and 3's replicas (one per slot here)
-    survivor.configure("mid-send", 0, None, 1)
+    survivor.configure("mid-send", 0, None, 1, ReplicaTerms("s" * 64, 4, (2, 3)))
     data = {"s.distcp": b"y" * 64}
 
     def fill(name: str, view: memoryview) -> int:

@@ -12,13 +12,15 @@ from tenax.orchestrator.spec import JobSpec, SpecError, load_spec
 DESIGN_EXAMPLE = """
 name: tiny-llama
 priority: 0
+preflight: null
 model: {dim: 256, n_layers: 4, n_heads: 8, n_kv_heads: 4, vocab_size: 512, seq_len: 128,
         ffn_hidden: 688, moe: null}
 parallel: {dp: auto, tp: 1, pp: 1, cp: 1, ep: 1, zero: 1, pp_schedule: 1f1b,
-           pp_virtual_stages: 1, micro_batch_size: 2}
+           pp_virtual_stages: 1, micro_batch_size: 2, recompute: auto}
 train: {steps: 200, global_batch_size: 32, lr: 3.0e-4, warmup_steps: 20, weight_decay: 0.1,
         grad_clip: 1.0, seed: 0, dtype: float32}
 data: {source: synthetic, token_dtype: uint16}
+logging: {tensorboard_dir: null, wandb: null}
 checkpoint: {uri: "file:///var/lib/tenax/ckpt/tiny-llama", every_steps: 20, keep_last: 3,
              keep_every: 0, async: true, memory_every_steps: 1}
 resources: {nodes: 2, gpus_per_node: 2, min_nodes: 1, max_nodes: 4, device: auto,
@@ -30,6 +32,14 @@ fault_tolerance: {heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, hang_time
 
 # Keys Tenax added beyond DESIGN.md's example, with their defaults.
 ADDED_KEYS = {("fault_tolerance", "straggler_action"): "alert"}
+# Keys of real-corpus training (docs/data.md): all off/empty by default.
+ADDED_KEYS.update({("data", key): value for key, value in {
+    "sources": None, "tokenizer": None, "eos_id": None, "document_mask": False,
+    "mask_eos_loss": False, "validation": None}.items()})
+# Keys of the Hugging Face interop (docs/hf.md): by default today's model, seeded init.
+ADDED_KEYS.update({("model", key): value for key, value in {
+    "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5, "tie_embeddings": False,
+    "init_from": None, "from_hf": False}.items()})
 # Defaults Tenax changed from DESIGN.md's example, measured: the straggler bench's table
 # (docs/operations.md, Stragglers) picked 0.9.
 CHANGED_DEFAULTS = {("fault_tolerance", "straggler_threshold"): 0.9}

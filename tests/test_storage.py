@@ -230,7 +230,7 @@ def test_catalog_commit_verify_on_s3(s3_options: dict) -> None:
     s.write_bytes("step-00000020/__0_0.distcp", b"W" + b"w" * 999 + bytes([20]))
     assert any("checksum mismatch" in p for p in cat.verify(20))
     assert cat.latest_committed().step == 10
-    deleted = cat.apply_retention(keep_last=1)
+    deleted = cat.apply_retention(keep_last=1, head=20)
     assert {d.step for d in deleted} == {10, 30}  # 20 is damaged but newest: never deleted
     assert cat.committed_steps() == [20]
 

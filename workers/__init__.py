@@ -11,6 +11,11 @@
 - Fault injection for drills: `ChaosEvent`, `RankChaos` (the one object a drill hands the
   workers; None in production), `ChaosInjector`.
 - Events: `Event`, `stamp`, `human`, `layout_text`; `prepare_token_file` (the flat token file).
+- Hang evidence (workers/diagnostics.py): `dump_stacks` (an agent asks its training process
+  for every thread's stack), `read_stacks`, `diagnose` -> `Diagnosis` (the odd rank out).
+- Experiment tracking: the sub-package `tenax.workers.tracking` (TensorBoard, W&B).
+- The validation loop (`data.validation`) is `tenax.workers.evaluation` (`Validator`,
+  `EvalResult`, the `eval` event): like the data loader, a training process's module (torch).
 
 Names resolve lazily (PEP 562): importing this package, or `tenax.workers.worker` in an agent,
 imports neither torch nor the modules behind names it does not use.
@@ -21,7 +26,8 @@ from tenax.faces import lazy_face
 
 _MODULES = {
     "spec": ("JobSpec", "ModelSpec", "MoESpec", "ParallelSpec", "TrainSpec", "DataSpec",
-             "CheckpointSpec", "ResourcesSpec", "FaultToleranceSpec", "load_spec",
+             "CheckpointSpec", "ResourcesSpec", "FaultToleranceSpec", "BlendSourceSpec",
+             "ValidationSpec", "load_spec",
              "spec_from_dict", "parse_spec_text", "apply_overrides", "layout_from_spec", "Degree",
              "cross_field_problems", "format_validation_error"),
     "data": ("prepare_token_file",),
@@ -30,8 +36,11 @@ _MODULES = {
     "worker": ("RankWorker", "RankRun", "RankStatus"),
     "rank": ("RankOptions", "RankHooks", "FaultHook", "run_rank"),
     "memory_options": ("MemoryOptions",),
+    "snapshot_keeper": ("ReplicaTerms",),
+    "replica_auth": ("new_job_secret",),
     "chaos_injector": ("ChaosEvent", "ChaosInjector", "RankChaos"),
     "events": ("Event", "human", "layout_text", "stamp"),
+    "diagnostics": ("Diagnosis", "diagnose", "dump_stacks", "read_stacks"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -19,7 +19,7 @@ def checkpoint_config(spec: JobSpec) -> CheckpointConfig:
     (canonical JSON), so a checkpoint never loads into a differently shaped model."""
     ck = spec.checkpoint
     return CheckpointConfig(uri=ck.uri, job=spec.name,
-                            model_hash=spec_hash(spec.model.model_dump(mode="json")),
+                            model_hash=spec_hash(spec.model.hash_dump()),
                             every_steps=ck.every_steps, keep_last=ck.keep_last,
                             keep_every=ck.keep_every, async_save=ck.async_,
                             timeout_s=spec.fault_tolerance.hang_timeout_s)

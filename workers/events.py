@@ -142,6 +142,8 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
                             f"in {f.get('seconds', 0):.1f} s "
                             f"({_plural(f.get('lost_steps', 0), 'step')} lost"
                             + (f", read from {f['source']}" if f.get("source") else "") + ")"),
+    "eval": lambda f: (f"Validation at step {f['step']}: loss {_loss(f.get('loss'))} over "
+                       f"{f.get('tokens', 0)} tokens in {f.get('seconds', 0):.2f} s"),
     "checkpoint": lambda f: (f"Checkpoint of step {f['step']} committed: training blocked "
                              f"{f.get('blocked_s', 0):.3f} s, save took {f.get('total_s', 0):.2f} s"),
     "checkpoint_failed": lambda f: (f"Checkpoint of step {f['step']} failed and training goes on: "

@@ -9,17 +9,20 @@ record. `tenax run`'s agents fork it (workers/worker.py); `python -m tenax.worke
 it on local processes for tests and debugging.
 
 Records: "started" (with the step it resumed at) and "step" go to `hooks.on_step`; checkpoint
-events to `hooks.on_event` (default `on_step`). `hooks.should_stop` is polled at every step
+events and `eval` events (data.validation, workers/evaluation.py) to `hooks.on_event` (default
+`on_step`). `hooks.should_stop` is polled at every step
 boundary; when any rank says stop, all save at that boundary and the loop returns
 {"event": "stopped", ...}. `hooks.faults` is a drill's fault injection
 (workers/chaos_injector.py), None in production: told before each step, it may kill or hang
-this process or stretch its compute.
+this process or stretch its compute. Rank 0 of a job with a `logging` section also hands its
+records to a tracker that writes TensorBoard / W&B off this thread (workers/tracking).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -27,6 +30,8 @@ from tenax.workers.checkpoint_config import checkpoint_config
 from tenax.workers.events import stamp
 from tenax.workers.memory_options import MemoryOptions, begin_rank, snapshotter
 from tenax.workers.rendezvous import join_process_group, leave_process_group
+from tenax.workers.tracking.figures import device_figures
+from tenax.workers.tracking.tracker import open_tracker, tee_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,7 @@ class RankOptions:
     resume: bool = True  # from the newest committed checkpoint (or memory's restore_uri)
     storage_options: dict[str, Any] | None = None  # fsspec options for checkpoint.uri
     memory: MemoryOptions | None = None  # in-memory snapshots (from the rank's agent)
+    job_id: str = ""  # names the job's W&B run (logging.wandb); "" for the local launcher
 
 
 class FaultHook(Protocol):
@@ -135,21 +141,29 @@ def run_rank(options: RankOptions, hooks: RankHooks | None = None) -> Record:
 
 def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Record:
     from tenax.checkpoint import CheckpointManager
+    from tenax.workers.evaluation import Validator
     from tenax.workers.trainer import Trainer
 
     rank, world, storage_options = options.rank, options.world, options.storage_options
     # A resuming rank loads every weight: initialising them first would be wasted (~45 ms).
     trainer = Trainer(spec, layout, initialise=not options.resume)
+    validator = Validator.from_spec(spec)  # a bad validation set fails before any load
     base = {"rank": rank, "world_size": world, "layout": layout.degrees()}
     with CheckpointManager(checkpoint_config(spec), trainer, rank, world,
-                           storage_options=storage_options) as mgr:
+                           storage_options=storage_options) as mgr, ExitStack() as closing:
         resumed, source = begin_rank(mgr, trainer, options.memory, options.resume, rank, world)
+        tracker = open_tracker(options.spec, options.job_id, rank, trainer.step)
+        if tracker is not None:  # rank 0 with `logging`: records also go there
+            hooks = tee_hooks(hooks, tracker)
+            closing.enter_context(tracker)  # closed after the last save's events
         hooks.events(mgr.drain_events(), rank)
         snaps = snapshotter(spec, mgr, rank, world, options.memory)
         hooks.progress(stamp({"event": "started", "step": trainer.step,
                               "resumed_from": resumed, "source": source, **base}))
+        if validator is not None and trainer.step == 0 and validator.due(0):
+            hooks.events([validator.run(trainer).record()], rank)
         try:
-            record = _steps(trainer, mgr, snaps, options, hooks, base)
+            record = _steps(trainer, mgr, snaps, options, hooks, base, validator)
         finally:
             if snaps is not None:
                 snaps.close()
@@ -161,23 +175,27 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Re
 
 
 def _steps(trainer: Any, mgr: Any, snaps: Any, options: RankOptions, hooks: RankHooks,
-           base: Record) -> Record:
+           base: Record, validator: Any = None) -> Record:
     """Step until the target, saving and snapshotting where due; the last record."""
     spec = trainer.spec
     record: Record = {"event": "step", "step": trainer.step, "loss": None, **base}
     target, every = options.steps or spec.train.steps, spec.checkpoint.every_steps
+    figures = device_figures(trainer)  # mfu, peak memory: CUDA only
     while trainer.step < target:
         if hooks.should_stop is not None and _any_rank_says(hooks.should_stop()):
             return _stop_at_boundary(mgr, trainer.step, hooks, base)
         if hooks.faults is not None:  # chaos `slow`: this rank computes F times slower
             trainer.slow_factor = hooks.faults.slow_factor
-        record = _step_record(trainer.run_step(), base)
+        result = trainer.run_step()
+        record = {**_step_record(result, base), **figures(result)}
         hooks.progress(record)
         if trainer.step % every == 0 or trainer.step == target:
             mgr.save(trainer.step)
         if snaps is not None and options.memory.snapshot_due(trainer.step) \
                 and trainer.step < target:
             snaps.snapshot(trainer.step)
+        if validator is not None and validator.due(trainer.step):  # the `eval` event
+            hooks.events([validator.run(trainer).record()], base["rank"])
         hooks.events(mgr.drain_events(), base["rank"])
     return record
 
@@ -195,7 +213,17 @@ def _step_record(result: Any, base: Record) -> Record:
             "tokens_per_s": result.tokens_per_s, **base,
             "rank_tokens_per_s": result.rank_tokens_per_s, "grad_norm": result.grad_norm,
             "lr": result.lr, "step_s": result.step_s, "time": round(time.time(), 6),
-            "cpu_time": round(time.process_time(), 6)}  # this rank's CPU seconds so far
+            "cpu_time": round(time.process_time(), 6),  # this rank's CPU seconds so far
+            "max_rss_bytes": max_rss_bytes()}  # the process's peak resident memory so far
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident set (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _any_rank_says(flag: bool) -> bool:

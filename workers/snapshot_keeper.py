@@ -1,30 +1,37 @@
 """SnapshotKeeper: the agent's half of in-memory snapshots.
 
 The rank's training process writes a snapshot every step into this agent's directory
-(checkpoint/memory/snapshot.py); the agent, which outlives that process, keeps it, sends each new one
-to its peer (the agent one node further along the ring) and holds the replica the peer of the
-previous node sends here (workers/replica_stream.py: a direct TCP stream between the two
+(checkpoint/memory/snapshot.py); the agent, which outlives that process, keeps it, sends each
+new one to its peer (the agent one node further along the ring) and holds the replica the peer
+of the previous node sends here (workers/replica_stream.py: a direct TCP stream between the two
 agents, not Ray's object store). The controller asks every live agent what it holds
 (`inventory`), has the chosen pieces verified where they lie (`locate`, to be linked by an
 agent on the same node) or read (`read`, checksummed), assembled on each new node
 (`assemble`), and drops the job's snapshots when the job ends.
 
 Replication never blocks training or the agent: one background thread sends the newest
-snapshot; if several complete while a send is in flight only the newest is sent next.
+snapshot; if several complete while a send is in flight only the newest is sent next. Only the
+job's own agents may send a replica, and only the stamp this agent expects is taken
+(`ReplicaTerms`, workers/replica_auth.py). While it keeps a job the agent holds the job
+directory's lock, and at start it removes the directories of jobs that are gone
+(checkpoint/memory/tmpfs_tree.py).
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
 import uuid
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from tenax.checkpoint import SnapshotError, assemble_version
-from tenax.checkpoint.memory import BufferMaps, SnapshotDir, SnapshotStamp, snapshot_root
+from tenax.checkpoint.memory import (BufferMaps, JobLock, SnapshotDir, SnapshotStamp,
+                                     file_name_of, job_dir, snapshot_root, sweep_stale)
+from tenax.workers.replica_auth import Expectation, check_stamp, replica_cap
 from tenax.workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
 logger = logging.getLogger(__name__)
@@ -34,8 +41,15 @@ ENDPOINT_TIMEOUT_S = 30.0
 KINDS = ("local", "replica")
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:120] or "job"
+@dataclass(frozen=True)
+class ReplicaTerms:
+    """The job's replica terms for one agent (from the controller at placement; crosses Ray;
+    the secret never appears in a repr or a log)."""
+    secret: str = field(default="", repr=False)  # the job's secret (replica_auth.py)
+    world: int = 0
+    ranks: tuple[int, ...] = ()  # the ranks whose replicas this agent holds (none: takes none)
+    peer_addresses: tuple[str, ...] = ()  # the address(es) it comes from
+    rank_bytes: int = 0  # the planned bytes of one rank's snapshot (caps a replica)
 
 
 def _abort(sock: socket.socket) -> None:
@@ -63,26 +77,63 @@ class SnapshotKeeper:
         # each one cost ~3 ms of CPU (checkpoint/memory/buffer_maps.py). Two buffers per series, a
         # new generation's series beside the last one's.
         self._maps = BufferMaps(limit=4)
+        self.terms = ReplicaTerms()
+        self._job_lock = JobLock()
+        # The directories that agents of jobs now gone left behind (a killed `tenax run`)
+        # go when the next agent starts here; off the actor's start-up path.
+        threading.Thread(target=sweep_stale, args=(snapshot_root(),), daemon=True,
+                         name="tenax-snapshot-sweep").start()
+        self._closed_failures: Counter[str] = Counter()  # of receivers closed by drop_job
 
-    def configure(self, job_id: str, rank: int, peer: Any, generation: int) -> None:
+    def configure(self, job_id: str, rank: int, peer: Any, generation: int,
+                  replicas: ReplicaTerms | None = None) -> None:
         """A new training process: its job, rank, generation, and who holds its replica (an
-        agent's handle, or the `Endpoint` it listens on).
+        agent's handle, or the `Endpoint` it listens on); `replicas`: the job's secret and
+        what this agent takes from its own peer (None: nothing is sent or taken).
 
         A send still in flight from the previous generation is aborted: its peer may be the
         node just lost (a frozen one holds the send to its timeout, and until it ends the new
         process's snapshots are skipped, paced to the replica), and the new process writes a
         newer snapshot to send within a step."""
+        terms = replicas or ReplicaTerms()
         with self._lock:
             stale = self._stream if generation != self.generation else None
             self.job_id, self.rank, self.peer, self.generation = job_id, rank, peer, generation
+            self.terms = terms
+            receiver = self._receiver
+        if receiver is not None:
+            receiver.expect(self._expectation())
         if stale is not None:
             _abort(stale)
         if job_id:
-            os.makedirs(self.local_dir, exist_ok=True)
+            self._job_lock.hold(self.job_root)  # the job is live on this node while held
+            os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+
+    def _expectation(self) -> Expectation | None:
+        """What this agent's receiver takes now (None: nothing, no job or no secret)."""
+        terms = self.terms
+        if not self.job_id or not terms.secret or not terms.ranks:
+            return None
+        return Expectation(self.job_id, self.generation, frozenset(terms.ranks),
+                           terms.world, replica_cap(terms.rank_bytes), terms.secret.encode(),
+                           frozenset(terms.peer_addresses))
+
+    def failure_counts(self) -> dict[str, int]:
+        """Replica failures by reason: every refusal of this agent's receiver, and `send`
+        for each of its own replicas not sent (tenax_replica_failures_total)."""
+        receiver = self._receiver
+        counts = receiver.failure_counts() if receiver is not None else {}
+        with self._lock:
+            closed = dict(self._closed_failures)
+        for reason, n in closed.items():
+            counts[reason] = counts.get(reason, 0) + n
+        if self.replica_errors:
+            counts["send"] = counts.get("send", 0) + self.replica_errors
+        return counts
 
     @property
     def job_root(self) -> str:
-        return os.path.join(snapshot_root(), _safe(self.job_id))
+        return job_dir(self.job_id)
 
     @property
     def local_dir(self) -> str | None:
@@ -126,7 +177,8 @@ class SnapshotKeeper:
             try:
                 stamp, paths = self._dir("local").paths(*wanted)
                 send_snapshot(self._endpoint_of(peer), stamp, paths, REPLICA_TIMEOUT_S,
-                              on_connect=lambda sock, g=wanted[0]: self._track(sock, g))
+                              on_connect=lambda sock, g=wanted[0]: self._track(sock, g),
+                              secret=self.terms.secret.encode(), job_id=self.job_id)
                 self.replicated += 1
             except Exception as exc:  # the peer may be gone; the local copy still serves
                 self.replica_errors += 1
@@ -169,7 +221,7 @@ class SnapshotKeeper:
         """Where peers stream replicas to this agent (listening from the first call on)."""
         with self._lock:
             if self._receiver is None:
-                self._receiver = ReplicaReceiver(host, self.land_replica)
+                self._receiver = ReplicaReceiver(host, self.land_replica, self._expectation())
             return self._receiver.endpoint
 
     def land_replica(self, stamp: SnapshotStamp, fill: Fill) -> int:
@@ -180,6 +232,10 @@ class SnapshotKeeper:
         with self._lock:
             if not self.job_id:
                 raise SnapshotError("this agent holds no job (not started, or ended)")
+            expected = self._expectation()
+            if expected is None:
+                raise SnapshotError(f"this agent takes no replica (job {self.job_id!r})")
+            check_stamp(stamp, expected)  # before a buffer is touched: nothing changes here
             if series in self._landing:  # a retry while the last send still arrives
                 raise SnapshotError(f"a replica of rank {stamp.rank} is already arriving")
             replicas, epoch = self._dir("replica"), self._epoch
@@ -191,6 +247,10 @@ class SnapshotKeeper:
                 if self._epoch != epoch:
                     raise SnapshotError("the job ended while its replica arrived")
                 replicas.publish(partial, stamp)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # a failed receipt leaves no file
+            self._maps.forget_deleted()
+            raise
         finally:
             with self._lock:
                 self._landing.discard(series)
@@ -234,12 +294,14 @@ class SnapshotKeeper:
         this node, linked. Restores of other snapshot generations are dropped first: their
         ranks are gone, and each would pin a whole state in host memory until the job ends.
         (`job_id` given: a newly placed agent has not been told its job yet.)"""
-        base = os.path.join(snapshot_root(), _safe(job_id), "restore")
+        if not self.job_id:  # not told its job yet: the restore is the job's all the same
+            self._job_lock.hold(job_dir(job_id))
+        base = os.path.join(job_dir(job_id), "restore")
         for name in os.listdir(base) if os.path.isdir(base) else []:
             if name != f"g{generation}":
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         parsed = [self._piece(p) for p in pieces]
-        return assemble_version(os.path.join(base, f"g{generation}", _safe(key)), parsed)
+        return assemble_version(os.path.join(base, f"g{generation}", file_name_of(key)), parsed)
 
     @staticmethod
     def _piece(piece: Any) -> tuple[SnapshotStamp, Any]:
@@ -267,6 +329,10 @@ class SnapshotKeeper:
             receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.close()
+            counts = receiver.failure_counts()
+            with self._lock:
+                self._closed_failures.update(counts)
         if job:
             shutil.rmtree(root, ignore_errors=True)
+        self._job_lock.release()
         self._maps.close()  # a replica landing right now keeps its view until it is done

@@ -4,8 +4,9 @@ Every key here is pinned by DESIGN.md; users, the CLI and the gRPC service all g
 `load_spec`/`JobSpec.model_validate`, so a bad spec fails the same way everywhere: a
 `SpecError` whose lines each name the field path and the offending value.
 
-It lives in workers/ (not orchestrator/) because the rank launcher, `python -m tenax.workers.launch
-JOB.yaml`, must parse it and imports point one way (orchestrator -> workers -> parallel);
+The sections (`ModelSpec`, `DataSpec`, ...) live in workers/spec_sections.py and are re-exported
+here. It lives in workers/ (not orchestrator/) because the rank launcher,
+`python -m tenax.workers.launch JOB.yaml`, must parse it and imports point one way (orchestrator -> workers -> parallel);
 `tenax.orchestrator.spec` re-exports it. The engine never sees these models: `ModelSpec.args()` and
 `layout_from_spec` hand `parallel/` its own plain config.
 """
@@ -13,33 +14,36 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationError,
-                      field_validator, model_validator)
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from tenax.parallel import ModelArgs, ParallelLayout, degree_problems, layout_for
+from tenax.parallel import ParallelLayout, degree_problems, layout_for, tie_problems
 from tenax.workers.errors import SpecError
+from tenax.workers.spec_sections import (ECHO_CHARS, HASH_OPTIONAL, INT32_MAX, INT64_FIELDS,
+                                         SOURCE_KEYS, BlendSourceSpec, CheckpointSpec, DataSpec,
+                                         Degree, FaultToleranceSpec, LoggingSpec, ModelSpec,
+                                         MoESpec, ParallelSpec, PreflightSpec, ResourcesSpec,
+                                         RopeScalingSpec, StrictSection, TrainSpec,
+                                         ValidationSpec, WandbSpec, short)
 
 logger = logging.getLogger(__name__)
 
-# Why limits: a spec arrives over the wire and every number in it ends up in int32/int64 proto
-# fields and sqlite columns; one that does not fit made SubmitJob INTERNAL and broke ListJobs.
-INT32_MAX = 2**31 - 1
-INT64_FIELDS = frozenset({"seed"})  # carried as int64 (manifest, data order)
+# The sections are re-exported: callers import every spec name from here.
+__all__ = ["ECHO_CHARS", "HASH_OPTIONAL", "INT32_MAX", "INT64_FIELDS", "MAX_OVERRIDE_CHARS",
+           "MAX_SPEC_BYTES", "SOURCE_KEYS", "BlendSourceSpec", "CheckpointSpec", "DataSpec",
+           "Degree", "FaultToleranceSpec", "JobSpec", "LoggingSpec", "ModelSpec", "MoESpec",
+           "ParallelSpec", "PreflightSpec", "ResourcesSpec", "RopeScalingSpec", "TrainSpec",
+           "ValidationSpec", "WandbSpec", "apply_overrides", "cross_field_problems",
+           "data_problems", "format_validation_error", "layout_from_spec", "load_spec",
+           "load_yaml_text", "parse_spec_text", "resolve_vocab_size", "short", "spec_from_dict",
+           "tokenizer_vocab_size"]
+
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a few hundred bytes; anything near this is an attack
 MAX_OVERRIDE_CHARS = 4096
-ECHO_CHARS = 80  # never echo more of a bad value than this (a huge value is the attack)
-
-
-def short(value: Any, limit: int = ECHO_CHARS) -> str:
-    """`repr(value)` cut to `limit` characters, saying how long it was."""
-    text = repr(value) if not isinstance(value, str) or len(value) <= limit else value
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]!r}... ({len(text)} chars)"
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -63,178 +67,25 @@ def load_yaml_text(text: str, source: str) -> Any:
     except yaml.YAMLError as err:
         raise SpecError(f"{source}: not valid YAML/JSON: {short(str(err), 300)}") from None
 
-
-def _degree(value: Any) -> int | str:
-    """A parallel degree: a positive integer, or "auto" for the planner to choose."""
-    if value == "auto":
-        return "auto"
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError("must be a positive integer or 'auto'")
-    return value
-
-
-Degree = Annotated[Union[int, str], PlainValidator(_degree)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _fits_the_wire(cls, value: Any, info: Any) -> Any:
-        limit = 2**63 - 1 if info.field_name in INT64_FIELDS else INT32_MAX
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
-            raise ValueError(f"must be at most {limit} (it is carried as a "
-                             f"{'64' if limit > INT32_MAX else '32'}-bit integer)")
-        return value
-
-
-class MoESpec(_Strict):
-    num_experts: int = Field(8, ge=1)
-    top_k: int = Field(2, ge=1)
-    capacity_factor: float = Field(1.25, gt=0)
-    aux_loss_coef: float = Field(0.01, ge=0)
-
-    @model_validator(mode="after")
-    def _top_k_fits(self) -> "MoESpec":
-        if self.top_k > self.num_experts:
-            raise ValueError(f"moe.top_k: {self.top_k} exceeds moe.num_experts={self.num_experts}")
-        return self
-
-
-class ModelSpec(_Strict):
-    dim: int = Field(256, ge=1)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(8, ge=1)
-    n_kv_heads: int = Field(4, ge=1)
-    vocab_size: int = Field(512, ge=2)
-    seq_len: int = Field(128, ge=1)
-    ffn_hidden: int = Field(688, ge=1)
-    moe: MoESpec | None = None
-
-    @model_validator(mode="after")
-    def _heads_fit(self) -> "ModelSpec":
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.n_heads: {self.n_heads} does not divide model.dim={self.dim}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"model.dim: head dim {self.head_dim} must be even for rotary embeddings")
-        return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def args(self) -> ModelArgs:
-        """The engine's plain config for this model (parallel/ never sees the spec)."""
-        return ModelArgs.from_dict(self.model_dump())
-
-    def layer_params(self, active: bool = False) -> int:
-        return self.args().layer_params(active)
-
-    def num_params(self, active: bool = False) -> int:
-        """Total parameters (untied embedding and head); `active` counts top_k experts only."""
-        return self.args().num_params(active)
-
-    def expert_params(self) -> int:
-        """Parameters that live in experts (sharded by ep); 0 for a dense model."""
-        return self.args().expert_params()
-
-
-class ParallelSpec(_Strict):
-    dp: Degree = "auto"
-    tp: Degree = 1
-    pp: Degree = 1
-    cp: Degree = 1
-    ep: Degree = 1
-    zero: Literal[0, 1, 2, 3] = 1
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    pp_virtual_stages: int = Field(1, ge=1)
-    micro_batch_size: int = Field(2, ge=1)
-
-
-class TrainSpec(_Strict):
-    steps: int = Field(200, ge=1, le=99_999_999)  # checkpoint dirs are step-NNNNNNNN
-    global_batch_size: int = Field(32, ge=1)
-    lr: float = Field(3.0e-4, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: float = Field(1.0, ge=0)
-    seed: int = Field(0, ge=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-
-class DataSpec(_Strict):
-    source: str = "synthetic"
-    token_dtype: Literal["uint8", "uint16", "uint32", "int32", "int64"] = "uint16"
-
-
-class CheckpointSpec(_Strict):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
-    uri: str = "file:///var/lib/tenax/ckpt/tiny-llama"
-    every_steps: int = Field(20, ge=1)
-    keep_last: int = Field(3, ge=1)
-    keep_every: int = Field(0, ge=0)
-    async_: bool = Field(True, alias="async")
-    # In-memory snapshot (the rank's agent + a peer node's agent) every N steps; 0 = off.
-    memory_every_steps: int = Field(1, ge=0)
-
-
-class ResourcesSpec(_Strict):
-    nodes: int = Field(2, ge=1)
-    gpus_per_node: int = Field(2, ge=1)
-    min_nodes: int = Field(1, ge=1)
-    max_nodes: int = Field(4, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Service scheduling: how long a job may wait in QUEUED (None = no limit), and whether it
-    # may be stopped at a checkpoint boundary and requeued for a more urgent job.
-    queue_timeout_s: float | None = Field(None, gt=0)
-    preemptible: bool = False
-
-    @model_validator(mode="after")
-    def _node_range(self) -> "ResourcesSpec":
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(f"resources.min_nodes: {self.min_nodes} exceeds resources.max_nodes={self.max_nodes}")
-        if not self.min_nodes <= self.nodes <= self.max_nodes:
-            raise ValueError(f"resources.nodes: {self.nodes} is outside "
-                             f"[min_nodes={self.min_nodes}, max_nodes={self.max_nodes}]")
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-class FaultToleranceSpec(_Strict):
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    heartbeat_timeout_s: float = Field(5.0, gt=0)
-    hang_timeout_s: float = Field(60.0, gt=0)
-    max_restarts: int = Field(10, ge=0)
-    straggler_threshold: float = Field(0.9, gt=0, lt=1)  # bench/straggler_bench.py, docs/operations.md
-    straggler_action: Literal["ignore", "alert", "evict"] = "alert"  # see orchestrator/job/health.py
-
-    @model_validator(mode="after")
-    def _timeouts(self) -> "FaultToleranceSpec":
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(f"fault_tolerance.heartbeat_timeout_s: {self.heartbeat_timeout_s} must "
-                             f"exceed heartbeat_interval_s={self.heartbeat_interval_s}")
-        return self
-
-
-class JobSpec(_Strict):
-    name: str = Field("tiny-llama", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+class JobSpec(StrictSection):
+    # at most 63 (a DNS label): job ids, snapshot dirs and metric labels are built from it
+    name: str = Field("tiny-llama", min_length=1, max_length=63,
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     priority: int = Field(0, ge=-1000, le=1000)  # service scheduling: higher first, then FIFO
     model: ModelSpec = Field(default_factory=ModelSpec)
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     data: DataSpec = Field(default_factory=DataSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    preflight: PreflightSpec | None = None  # smoke test before training (docs/preflight.md)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_vocab(cls, raw: Any) -> Any:
+        return resolve_vocab_size(raw)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobSpec":
@@ -249,8 +100,62 @@ class JobSpec(_Strict):
 def cross_field_problems(spec: JobSpec) -> list[str]:
     """Checks between sections that hold whatever degrees the planner later picks; the rules
     live in tenax.parallel.layout.degree_problems, which every layout is checked against too."""
+    pp = spec.parallel.pp if isinstance(spec.parallel.pp, int) else 1
     return degree_problems(spec.model.args(), spec.parallel.model_dump(),
-                           spec.train.global_batch_size)
+                           spec.train.global_batch_size) + \
+        tie_problems(spec.model.args(), pp, spec.parallel.zero) + data_problems(spec)
+
+
+def data_problems(spec: JobSpec) -> list[str]:
+    """data.* against model.* and parallel.*: an EOS outside the vocabulary, a tokenizer larger
+    than the embedding, document masks under layouts that cannot carry them."""
+    data, vocab, problems = spec.data, spec.model.vocab_size, []
+    if data.eos_id is not None and data.eos_id >= vocab:
+        problems.append(f"data.eos_id: {data.eos_id} is outside [0, model.vocab_size={vocab})")
+    if data.tokenizer:
+        size = tokenizer_vocab_size(data.tokenizer, data.eos_id)
+        if size > vocab:
+            problems.append(f"model.vocab_size: {vocab} is smaller than the vocabulary of "
+                            f"data.tokenizer ({size} tokens); set model.vocab_size: auto")
+    if data.document_mask:
+        for degree in ("cp", "pp"):
+            value = getattr(spec.parallel, degree)
+            if value != 1:
+                problems.append(f"data.document_mask: not supported with parallel.{degree}="
+                                f"{value} (needs parallel.{degree}=1)")
+    return problems
+
+
+def tokenizer_vocab_size(uri: str, eos_id: int | None = None) -> int:
+    """The vocabulary size of the tokenizer at `uri` (read once per process and URI); `eos_id`
+    is data.eos_id, which a tokenizer without an EOS of its own needs to load."""
+    return _tokenizer_sizes(uri, eos_id)[0]
+
+
+@lru_cache(maxsize=16)
+def _tokenizer_sizes(uri: str, eos_id: int | None) -> tuple[int, int]:
+    from tenax.workers.data.tokenizer import auto_vocab_size, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(uri, eos_id)
+    except FileNotFoundError as err:
+        raise ValueError(f"data.tokenizer: {short(uri)} does not exist ({err})") from None
+    return int(tokenizer.vocab_size), auto_vocab_size(tokenizer)
+
+
+def resolve_vocab_size(raw: Any) -> Any:
+    """`model.vocab_size: auto` -> the data.tokenizer's vocabulary rounded up to 64."""
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or model.get("vocab_size") != "auto":
+        return raw
+    data = raw.get("data")
+    uri = data.get("tokenizer") if isinstance(data, dict) else None
+    if not isinstance(uri, str) or not uri:
+        raise ValueError("model.vocab_size: 'auto' needs data.tokenizer (the tokenizer whose "
+                         "vocabulary sizes the embedding)")
+    eos_id = data.get("eos_id")
+    eos_id = eos_id if isinstance(eos_id, int) and not isinstance(eos_id, bool) else None
+    return {**raw, "model": {**model, "vocab_size": _tokenizer_sizes(uri, eos_id)[1]}}
 
 
 def layout_from_spec(spec: JobSpec, world_size: int | None = None) -> ParallelLayout:
@@ -297,13 +202,15 @@ def _field_annotation(path: list[str]) -> Any:
         fields = {f.alias or name: f for name, f in model.model_fields.items()}
         fields.update(model.model_fields)
         if part not in fields:
-            raise SpecError(f"{'.'.join(path[:i + 1])}: unknown key (known: {', '.join(sorted(fields))})")
+            known = ", ".join(sorted(fields))
+            raise SpecError(f"{'.'.join(path[:i + 1])}: unknown key (known: {known})")
         annotation = fields[part].annotation
         nested = [a for a in (get_args(annotation) or (annotation,)) if isinstance(a, type)
                   and issubclass(a, BaseModel)]
         model = nested[0] if nested else None
         if model is None and i < len(path) - 1:
-            raise SpecError(f"{'.'.join(path[:i + 2])}: unknown key ({'.'.join(path[:i + 1])} is not a section)")
+            raise SpecError(f"{'.'.join(path[:i + 2])}: unknown key "
+                            f"({'.'.join(path[:i + 1])} is not a section)")
     return annotation
 
 

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tenax.parallel import (ParallelLayout, ParallelModel, cross_entropy_sum, init_weights, local,
-                            parallelize)
-from tenax.workers.data import TokenDataLoader
+from tenax.parallel import (ParallelLayout, ParallelModel, cross_entropy_sum, engine_recompute,
+                            init_weights, local, parallelize)
+from tenax.workers.data import (IGNORE_INDEX, TokenDataLoader, document_mask, document_positions,
+                                documents_eos_id, mask_eos_targets)
 from tenax.workers.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,15 @@ class Trainer:
         layout.validate(model_args, dist.get_world_size(), spec.train.global_batch_size)
         self.device = device or pick_device(spec)
         self.mesh = layout.build_mesh(self.device.type)
+        recompute = engine_recompute(spec.parallel.recompute, model_args, layout,
+                                     spec.train.global_batch_size, spec.train.dtype, self.device,
+                                     spec.resources.gpus_per_node)
         # Params stay fp32 (master weights); low precision comes from autocast on GPUs.
+        init_from = spec.model.init_from  # HF weights replace the seeded init
         self.pm: ParallelModel = parallelize(model_args, layout, self.mesh, spec.train.seed,
-                                             self.device, initialise=initialise)
+                                             self.device,
+                                             initialise=initialise and init_from is None,
+                                             recompute=recompute)
         self.parts = self.pm.parts
         self.optimizer = self._build_optimizer(optimizer)
         self.loader = TokenDataLoader.from_job_spec(spec)
@@ -97,6 +104,8 @@ class Trainer:
         # Each rank's loss is scaled so that averaging grads over the dp*cp ranks gives the
         # gradient of the global-batch mean loss.
         self.loss_scale = layout.dp * layout.cp / self.global_tokens
+        self.step_tokens = self.global_tokens  # tokens the loss counts (fewer with mask_eos_loss)
+        self.eos_id = documents_eos_id(spec.data, layout.cp, layout.pp)
         self._set_positions()
         self.pipeline = self._build_pipeline() if layout.pp > 1 else None
         self.last_moe_stats: dict[str, Any] = {}
@@ -104,12 +113,40 @@ class Trainer:
         # Called with (micro-batch index, is last) once the engine is ready for that
         # micro-batch: benches and tests read held memory there without patching the trainer.
         self.on_micro_batch: Callable[[int, bool], None] | None = None
+        if initialise and init_from is not None:
+            self.initialise_weights()
 
     def initialise_weights(self) -> None:
         """The values `Trainer(initialise=True)` starts from: each a function of (seed, name)
-        alone, written in place, so ZeRO's shard views and FSDP's shards see them too."""
+        alone, written in place, so ZeRO's shard views and FSDP's shards see them too. With
+        `model.init_from`, the HF weights instead (checked before any is written)."""
+        if self.spec.model.init_from is not None:
+            from tenax.workers.hf.load import load_hf_into
+
+            load_hf_into(self.parts, self.spec.model.args(), self.spec.model.init_from)
+            return
         for part in self.parts:
             init_weights(part, self.spec.train.seed)
+
+    def attention_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keyword inputs of the model for tokens `x`: per-document positions and block-causal
+        mask with data.document_mask, else none (the layout's positions, plain causal)."""
+        if not self.spec.data.document_mask:
+            return {}
+        return {"positions": document_positions(x, self.eos_id),
+                "attn_mask": document_mask(x, self.eos_id)}
+
+    def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a batch of sequences: its zig-zag chunks under CP."""
+        return self._local_tokens(x)
+
+    def _count_step_tokens(self, targets: torch.Tensor) -> None:
+        """With EOS targets ignored, the loss is the mean over the counted tokens of the whole
+        global batch: one all-reduce of this rank's count over dp x cp sets the scale."""
+        count = (targets != IGNORE_INDEX).sum().to(torch.float64).to(self.device)
+        dist.all_reduce(count, group=self.pm.groups.dp_cp)
+        self.step_tokens = max(1, int(count.item()))
+        self.loss_scale = self.layout.dp * self.layout.cp / self.step_tokens
 
     def _set_positions(self) -> None:
         s, cp = self.spec.model.seq_len, self.layout.cp
@@ -159,8 +196,12 @@ class Trainer:
     def train_step(self) -> StepResult:
         start = time.perf_counter()
         inputs, targets = self.loader.next_batch(self.dp_rank, self.dp_size)
+        if self.spec.data.mask_eos_loss:
+            targets = mask_eos_targets(inputs, targets, self.eos_id)
         inputs = self._local_tokens(inputs).to(self.device)
         targets = self._local_tokens(targets).to(self.device)
+        if self.spec.data.mask_eos_loss:
+            self._count_step_tokens(targets)
         if self.pipeline is not None:
             loss_sum, busy = self._pipeline_step(inputs, targets)
         else:
@@ -199,11 +240,11 @@ class Trainer:
         """Mean token loss of the global batch; under PP only last-stage ranks hold a sum."""
         if work is not None:
             work.wait()
-            return loss_sum.item() / self.global_tokens
+            return loss_sum.item() / self.step_tokens
         if self.layout.pp > 1:
             dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
         dist.all_reduce(loss_sum, group=self.pm.groups.dp_cp)
-        return loss_sum.item() / self.global_tokens
+        return loss_sum.item() / self.step_tokens
 
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
         losses, busy, _ = self.pipeline.step(inputs, targets)
@@ -226,7 +267,7 @@ class Trainer:
             x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
             with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                 enabled=self.autocast_dtype is not None):
-                logits = model(x)
+                logits = model(x, **self.attention_inputs(x))
             micro_sum, n_tokens = cross_entropy_sum(logits, y)
             objective = micro_sum
             if self.spec.model.moe is not None:  # aux loss per token, like the cross-entropy

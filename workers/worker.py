@@ -31,10 +31,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tenax.workers.chaos_injector import RankChaos
+from tenax.workers.diagnostics import arm_stack_dump, dump_stacks, forget_stacks
 from tenax.workers.memory_options import MemoryOptions
-from tenax.workers.snapshot_keeper import SnapshotKeeper
+from tenax.workers.snapshot_keeper import ReplicaTerms, SnapshotKeeper
 
 logger = logging.getLogger(__name__)
+NODE_IP_TIMEOUT_S = 10.0
 
 # "ray": each forked child re-runs its parent's main script (Ray's default_worker.py, which
 # imports ray) as __mp_main__; with ray already imported that costs ~5 ms instead of ~0.5 s
@@ -50,7 +52,8 @@ PRELOAD = ["ray", "torch", "torch.distributed", "torch.distributed.tensor.debug"
            "tenax.workers.events", "tenax.parallel.parallel_model", "tenax.parallel.expert_parallel",
            "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard",
            "tenax.checkpoint.memory.snapshot", "tenax.checkpoint.memory.restore",
-           "tenax.checkpoint.save.plan_codec", "tenax.workers.worker"]
+           "tenax.checkpoint.save.plan_codec", "tenax.workers.worker",
+           "tenax.workers.evaluation"]
 
 
 @dataclass
@@ -68,6 +71,7 @@ class RankRun:
     snapshot_every: int = 0  # the placement's decision: a snapshot every N steps (0: none)
     restore_uri: str | None = None  # an assembled in-memory snapshot to resume from
     peer: Any = None  # the agent on the next node that holds this rank's replica
+    replicas: ReplicaTerms | None = None  # the job's secret, the replica this agent holds
     chaos: RankChaos | None = None  # a drill's rank-side faults; None in production
 
 
@@ -97,6 +101,7 @@ def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) ->
     # every full collection walked it: 0.3 s inside the first checkpoint load's pickling,
     # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
     gc.freeze()
+    arm_stack_dump()  # hang evidence: the agent asks for every thread's stack (dump_stacks)
     from tenax.workers.rank import RankHooks, RankOptions, run_rank
 
     lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
@@ -117,7 +122,7 @@ def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) ->
                       faults=run.chaos.injector(run.rank, run.node_id, claim)
                       if run.chaos is not None else None)
     options = RankOptions(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
-                          memory=memory)
+                          memory=memory, job_id=run.job_id)
     try:
         record = run_rank(options, hooks)
         send(("stopped" if record.get("event") == "stopped" else "done", None))
@@ -169,9 +174,17 @@ class RankWorker:
         import ray
 
         node_id = ray.get_runtime_context().get_node_id()
-        for node in ray.nodes():
+        box: dict[str, Any] = {}
+        # ray.nodes() has no deadline of its own: a hung GCS must not hang this actor's calls
+        reader = threading.Thread(target=lambda: box.update(nodes=ray.nodes()), daemon=True)
+        reader.start()
+        reader.join(NODE_IP_TIMEOUT_S)
+        for node in box.get("nodes", ()):
             if node["NodeID"] == node_id:
                 return node["NodeManagerAddress"]
+        if "nodes" not in box:
+            logger.warning("ray.nodes() did not answer within %g s; using this worker's own "
+                           "idea of its node address", NODE_IP_TIMEOUT_S)
         return ray.util.get_node_ip_address()
 
     def ping(self) -> bool:
@@ -194,7 +207,7 @@ class RankWorker:
         if self._ledger is not None and run.chaos.events and self._ledger != self._warmed:
             self._warmed = self._ledger  # handles compare by actor: once per ledger, not per start
             threading.Thread(target=_warm_up_ledger, args=(self._ledger,), daemon=True).start()
-        self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation)
+        self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation, run.replicas)
         memory = MemoryOptions(self.snapshots.local_dir, every_steps=run.snapshot_every,
                                generation=run.generation, restore_uri=run.restore_uri,
                                replicated=run.peer is not None, plan=self._plan)
@@ -204,7 +217,8 @@ class RankWorker:
         # asks us to claim chaos events over the pipe instead.
         chaos = replace(run.chaos, ledger=None) if run.chaos is not None else None
         proc = self._ctx.Process(target=_child_main,
-                                 args=(replace(run, chaos=chaos, peer=None), memory, child,
+                                 args=(replace(run, chaos=chaos, peer=None, replicas=None),
+                                       memory, child,
                                        control_read),
                                  daemon=True, name=f"tenax-rank-{run.rank}")
         proc.start()
@@ -230,6 +244,7 @@ class RankWorker:
                 break  # a newer attempt owns the status now (it ends this one's messages)
             self._handle(kind, payload, conn)
         proc.join(timeout=5)
+        forget_stacks(proc.pid)
         with self._lock:
             if attempt == self._attempt and self._status.state in ("starting", "training"):
                 self._status.state = "failed"
@@ -276,7 +291,16 @@ class RankWorker:
         """Status plus the records after index `since`; answers even mid-collective."""
         with self._lock:
             return {**asdict(self._status), "events": self._events[since:],
-                    "n_events": len(self._events), "time": time.time()}
+                    "n_events": len(self._events), "time": time.time(),
+                    "replica_failures": self.snapshots.failure_counts()}
+
+    def dump_stacks(self, timeout_s: float = 2.0) -> dict[str, Any]:
+        """Every thread's Python stack of the training process (workers/diagnostics.py)."""
+        with self._lock:
+            rank, pid = self._status.rank, self._status.child_pid
+        alive = self._proc is not None and self._proc.is_alive()
+        text = dump_stacks(pid, timeout_s) if pid and alive else ""
+        return {"rank": rank, "pid": pid, "text": text}
 
     def wait_ended(self, attempt: int, timeout_s: float) -> bool:
         """Block until training process `attempt` has ended (True) or `timeout_s` passed. The

@@ -325,15 +325,18 @@ class Catalog:
             return False
         return self.storage.delete_tree(version_name(step))
 
-    def apply_retention(self, keep_last: int, keep_every: int = 0, *,
+    def apply_retention(self, keep_last: int, keep_every: int = 0, *, head: int,
                         in_progress: Collection[int] = (),
-                        protect: Collection[int] = (), head: int | None = None) -> list[Deletion]:
+                        protect: Collection[int] = ()) -> list[Deletion]:
         """Delete what `retention_plan` says; return what was deleted, logging each reason.
 
+        `head` (required): the step just committed, the head of this run's lineage. Without
+        it `keep_last` would count by step number, and a job that resumed below a rotten
+        newest version would have each new commit deleted right after it is made
+        (retention_policy.py).
         `in_progress`: steps being written now (their uncommitted dirs are spared).
         `protect`: steps never to delete, e.g. the one the job resumed from — the newest
         committed version may be damaged, and retention does not re-read checksums.
-        `head`: the step just committed (see retention.py for why it matters).
         A failed deletion is logged and retried at the next call, never raised: retention runs
         after saves, and a failed save chore must not stop training.
         """

@@ -28,6 +28,7 @@ FORMAT = "tenax-raw-2"  # raw shard bytes + JSON .metadata (manifest extra.forma
 LEGACY_FORMAT = "tenax-raw-1"  # raw shard bytes + pickled .metadata: refused
 MAX_METADATA_BYTES = 256 << 20  # a JSON document larger than this is not ours
 _PICKLE_MAGIC = b"\x80"
+_INT64_END = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,16 @@ def encode_metadata(metadata: Metadata) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _ints(value: Any, what: str, minimum: int = 0) -> list[int]:
+def _ints(value: Any, what: str, minimum: int = 0, dims: int | None = None) -> list[int]:
+    """Ints in [minimum, 2**63) (what torch.Size holds), `dims` of them when given."""
     if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value):
-        raise MetadataFormatError(f"{what} must be a list of ints >= {minimum}, "
+            isinstance(v, int) and not isinstance(v, bool) and minimum <= v < _INT64_END
+            for v in value):
+        raise MetadataFormatError(f"{what} must be a list of ints in [{minimum}, 2**63), "
                                   f"got {str(value)[:60]}")
+    if dims is not None and len(value) != dims:
+        raise MetadataFormatError(f"{what}: {str(value)[:60]} has {len(value)} dims, the "
+                                  f"tensor has {dims}")
     return value
 
 
@@ -104,13 +110,18 @@ def _field(doc: Any, key: str, kind: type, what: str) -> Any:
 
 def _tensor_entry(fqn: str, raw: Any) -> TensorStorageMetadata:
     what = f"tensors[{fqn[:60]!r}]"
-    chunks = [ChunkStorageMetadata(torch.Size(_ints(_field(c, "offsets", list, what), what)),
-                                   torch.Size(_ints(_field(c, "sizes", list, what), what)))
-              for c in _field(raw, "chunks", list, what)]
+    size = _ints(_field(raw, "size", list, what), f"{what}.size")
+    chunks = []
+    for c in _field(raw, "chunks", list, what):
+        offsets = _ints(_field(c, "offsets", list, what), f"{what}.offsets", dims=len(size))
+        sizes = _ints(_field(c, "sizes", list, what), f"{what}.sizes", dims=len(size))
+        if any(o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+            raise MetadataFormatError(f"{what}: chunk at {str(offsets)[:40]} of "
+                                      f"{str(sizes)[:40]} lies outside {str(size)[:40]}")
+        chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
     props = TensorProperties(dtype=dtype_from_name(_field(raw, "dtype", str, what)),
                              requires_grad=bool(_field(raw, "requires_grad", bool, what)))
-    return TensorStorageMetadata(props, torch.Size(_ints(_field(raw, "size", list, what), what)),
-                                 chunks)
+    return TensorStorageMetadata(props, torch.Size(size), chunks)
 
 
 def _storage_entry(raw: Any) -> tuple[MetadataIndex, ShardLocation]:
@@ -124,9 +135,31 @@ def _storage_entry(raw: Any) -> tuple[MetadataIndex, ShardLocation]:
                         _field(raw, "length", int, what),
                         tuple(_ints(_field(raw, "shape", list, what), what)),
                         _dtype_name(dtype_from_name(_field(raw, "dtype", str, what))))
-    if loc.offset < 0 or loc.length < 0:
-        raise MetadataFormatError(f"{what}: negative offset or length for {index.fqn[:60]!r}")
+    if not (0 <= loc.offset < _INT64_END and 0 <= loc.length < _INT64_END):
+        raise MetadataFormatError(f"{what}: offset or length outside [0, 2**63) for "
+                                  f"{index.fqn[:60]!r}")
     return index, loc
+
+
+def _check_coverage(tensors: dict[str, TensorStorageMetadata],
+                    storage: dict[MetadataIndex, ShardLocation]) -> None:
+    """Every chunk is stored somewhere, with its shape; every stored piece is some chunk."""
+    chunks = {(fqn, tuple(c.offsets)): tuple(c.sizes)
+              for fqn, t in tensors.items() for c in t.chunks}
+    for index, loc in storage.items():
+        sizes = chunks.get((index.fqn, tuple(index.offset or ())))
+        if sizes is None:
+            raise MetadataFormatError(f"storage[]: {index.fqn[:60]!r} at "
+                                      f"{str(list(index.offset or ()))[:40]} is no chunk of "
+                                      f"any tensor")
+        if loc.shape != sizes:
+            raise MetadataFormatError(f"storage[]: {index.fqn[:60]!r} has shape "
+                                      f"{str(list(loc.shape))[:40]}, its chunk {list(sizes)}")
+    if len(chunks) != len(storage):
+        stored = {(i.fqn, tuple(i.offset or ())) for i in storage}
+        fqn, offsets = next(k for k in chunks if k not in stored)
+        raise MetadataFormatError(f"tensors[{fqn[:60]!r}]: the chunk at {list(offsets)} is "
+                                  f"stored nowhere")
 
 
 def _planner_path(key: str, value: Any) -> tuple[str | int, ...]:
@@ -144,7 +177,7 @@ def decode_metadata(data: bytes, url: str) -> Metadata:
                                   f"metadata ({MAX_METADATA_BYTES})")
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise MetadataFormatError(f"{url} is not JSON checkpoint metadata: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
         raise MetadataFormatError(f"{url} is not {METADATA_FORMAT} JSON")
@@ -158,7 +191,11 @@ def decode_metadata(data: bytes, url: str) -> Metadata:
         storage = dict(_storage_entry(raw) for raw in _field(doc, "storage", list, "metadata"))
         planner = {k: _planner_path(k, v)
                    for k, v in _field(doc, "planner_data", dict, "metadata").items()}
+        _check_coverage(tensors, storage)
     except MetadataFormatError as exc:
         raise MetadataFormatError(f"{url}: {exc}") from None
+    except (ArithmeticError, RecursionError, TypeError, ValueError) as exc:  # belt and braces
+        raise MetadataFormatError(f"{url}: unreadable metadata: {type(exc).__name__}: "
+                                  f"{str(exc)[:200]}") from None
     return Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage,
                     version=FORMAT)

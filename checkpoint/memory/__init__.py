@@ -2,8 +2,11 @@
 
 - `MemorySnapshotter`: one rank's state copied every step into memory its agent owns (what a
   storage save of that step would write), off the critical path.
-- `SnapshotDir`, `SnapshotStamp`, `snapshot_root`, `SNAPSHOT_ENV`, `crc32c_of`: the
-  `.partial`/stamp layout that makes a copy killed half-way invisible; torch-free, for agents.
+- `SnapshotDir`, `SnapshotStamp`, `crc32c_of`: the `.partial`/stamp layout that makes a copy
+  killed half-way invisible; torch-free, for agents.
+- The tmpfs tree (`tmpfs_tree`): `snapshot_root` (checked: ours alone), `SNAPSHOT_ENV`,
+  `job_dir`, `file_name_of`, `JobLock` and `sweep_stale` (jobs that are gone), `free_space`,
+  `used_bytes`.
 - `BufferMaps`: the kept memory mappings of the double buffer.
 - `assemble_version`: every rank's pieces of one step committed as an ordinary version, which
   the manager then loads (and reshards) like storage.
@@ -16,8 +19,9 @@ from tenax.faces import lazy_face
 
 _MODULES = {
     "snapshot": ("MemorySnapshotter",),
-    "snapshot_store": ("SNAPSHOT_ENV", "SnapshotDir", "SnapshotStamp", "crc32c_of",
-                       "snapshot_root"),
+    "snapshot_store": ("SnapshotDir", "SnapshotStamp", "crc32c_of"),
+    "tmpfs_tree": ("SNAPSHOT_ENV", "JobLock", "file_name_of", "free_space", "job_dir",
+                   "snapshot_root", "sweep_stale", "used_bytes"),
     "buffer_maps": ("BufferMaps",),
     "restore": ("assemble_version",),
 }

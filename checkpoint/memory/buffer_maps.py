@@ -14,9 +14,15 @@ deleted, so a mapping whose file has no name left (a pruned buffer, a dropped jo
 whenever another buffer is mapped (a buffer is deleted only when the writer moves on to new
 ones: a new generation's series, a step written again), at most `limit` mappings are kept
 (least recently used go first), and the owner calls `close()` when its job ends.
+
+Every buffer is allocated before it is mapped (`reserve`): a tmpfs file cut to its size with
+`ftruncate` alone is sparse, and a write through a mapping into a page the filesystem cannot
+back (tmpfs full, or over its size limit) is SIGBUS, which kills the process. Allocated first,
+a full tmpfs is a clean ENOSPC (`OSError`) that the caller can turn into "snapshots off".
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -29,6 +35,24 @@ logger = logging.getLogger(__name__)
 # Fault every page in when mapping, instead of one fault per 4 KiB page as it is first touched.
 # Linux only; elsewhere the pages fault in as they are touched.
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def reserve(fd: int, size: int, path: str) -> None:
+    """Make `fd`'s file exactly `size` bytes with every page allocated now: OSError (ENOSPC
+    when the filesystem is full) instead of a SIGBUS at the first write into a hole. On
+    failure the file is cut to nothing, so a refused buffer holds no pages."""
+    try:
+        os.ftruncate(fd, size)
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        if exc.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space for {size} bytes", path) from None
+        raise
 
 
 @dataclass
@@ -53,7 +77,7 @@ class BufferMaps:
         cut to exactly `size`; size > 0). Bytes written through it are the file's bytes."""
         if size <= 0:
             raise ValueError(f"size: {size} must be > 0 to map {path}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             st = os.fstat(fd)
         except OSError:
@@ -69,8 +93,8 @@ class BufferMaps:
             if held is not None:
                 self._release(self._maps.pop(key))
         try:
-            if st.st_size != size:
-                os.ftruncate(fd, size)
+            if st.st_size != size:  # a buffer of the right size was allocated when it was sized
+                reserve(fd, size, path)
             mapped = _Mapped(fd, size, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE))
         except OSError:
             os.close(fd)
@@ -104,6 +128,11 @@ class BufferMaps:
             os.close(held.fd)
         except OSError:
             pass
+
+    def forget_deleted(self) -> None:
+        """Close now the mappings of buffers deleted since (their pages are freed)."""
+        with self._lock:
+            self._evict()
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -12,15 +12,25 @@ confirms it on every rank, with the step and whether the last replica went) and 
 to this rank's low-priority copying thread, which writes the live tensors into its kept
 mapping of the tmpfs file (buffer_maps.py) and checksums them chunk by chunk. The state
 changes only inside the next `optimizer.step()`, so a hook there (`fence_before_update`)
-waits for the copy if it is still running; training otherwise never waits. The `.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
+waits for the copy if it is still running; training otherwise never waits. The
+`.partial`/stamp protocol of snapshot_store.py makes a copy killed half-way
 invisible. `on_done(event)` is called from the copying thread once the snapshot is complete
 (the agent then replicates it to a peer).
+
+A full tmpfs turns snapshots off, never kills training: buffers are allocated before they are
+written (buffer_maps.reserve), so no space is an ENOSPC, not a SIGBUS. The rank that meets it
+says so at its next snapshot, where every rank skips; one more tiny all-reduce, taken only
+after a skipped snapshot, tells every rank, and from then on no rank takes any (local ones
+included: the collective calls must stay the same on every rank). `on_done` is then given one
+`snapshots_off` event naming the directory and its free bytes.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from typing import Any, Callable
@@ -31,12 +41,15 @@ import torch
 from tenax.checkpoint.config import CheckpointConfig
 from tenax.checkpoint.format.manifest import METADATA_NAME
 from tenax.checkpoint.memory.buffer_maps import BufferMaps
-from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of, overwrite
+from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotStamp, crc32c_of,
+                                                    overwrite)
+from tenax.checkpoint.memory.tmpfs_tree import free_space, write_private
 from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background
 from tenax.checkpoint.save.planning import SavePlans
 from tenax.checkpoint.save.state import manifest_fields
 from tenax.checkpoint.save.writer import WRITER_NICE
 from tenax.checkpoint.tensor_bytes import byte_view
+from tenax.parallel import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +80,8 @@ class MemorySnapshotter:
         self._fence: Any = None
         self.failed = 0
         self._newest: int | None = None  # the last step this process published
+        self.off: str | None = None  # why this rank can take no more snapshots (no space)
+        self.stopped = False  # every rank agreed that snapshots are off: none is taken
         # The double buffer's mappings, kept between snapshots (checkpoint/memory/buffer_maps.py)
         self._maps = BufferMaps(limit=self.store.keep + 1)
 
@@ -74,8 +89,11 @@ class MemorySnapshotter:
         """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
         self.wait()
         self._drop_fence()
-        # Whether the replica caught up is agreed in the plan's own all-reduce (one per step)
-        ready = self._replica_caught_up() if self.replicated else None
+        if self.stopped:
+            return
+        # Whether the replica caught up, and whether this rank still has room, is agreed in
+        # the plan's own all-reduce (one per step)
+        ready = (self._replica_caught_up() if self.replicated else True) and self.off is None
         try:
             planned = self.plans.plan(self.state, self.rank, self.agree, ready)
         except Exception as exc:  # a snapshot is an optimisation: never stop training for it
@@ -83,6 +101,8 @@ class MemorySnapshotter:
             logger.warning("rank %d: snapshot of step %d not planned: %s", self.rank, step, exc)
             return
         if planned is None:
+            if self._agreed_off(step):
+                return
             self.skipped += 1  # every rank skips alike: their newest steps stay the same
             logger.info("rank %d: snapshot of step %d skipped: a replica is still on its way",
                         self.rank, step)
@@ -99,6 +119,30 @@ class MemorySnapshotter:
             self._worker.start()
         self._jobs.put((step, partial, planned.file, tensors, planned.metadata_bytes, commit,
                         done, self._finished))
+
+    def _agreed_off(self, step: int) -> bool:
+        """After a skipped snapshot (every rank skipped alike, so every rank asks): whether
+        any rank is out of space. If so every rank stops taking snapshots from now on."""
+        if self.agree(self.off is None):
+            return False
+        self.stopped = True
+        where, free = free_space(self.store.root)
+        reason = (f"{self.off or 'another rank found no space for its snapshot'}; "
+                  f"{where or self.store.root} has {human_bytes(max(free, 0))} free; "
+                  f"in-memory snapshots off from step {step} (storage checkpoints only)")
+        logger.warning("rank %d: %s", self.rank, reason)
+        if self.on_done is not None:
+            self.on_done({"event": "snapshots_off", "step": step, "reason": reason,
+                          "dir": where or self.store.root, "free_bytes": free})
+        return True
+
+    def _out_of_space(self, partial: str, exc: OSError) -> None:
+        """A buffer found no space: free what this snapshot took; no more are taken."""
+        shutil.rmtree(partial, ignore_errors=True)
+        self._maps.forget_deleted()
+        where, free = free_space(self.store.root)
+        self.off = (f"no space for rank {self.rank}'s snapshot buffer in {where} "
+                    f"({human_bytes(max(free, 0))} free): {exc}")
 
     def _serve(self) -> None:
         """The copying thread: low priority, one snapshot at a time, until close()."""
@@ -132,14 +176,15 @@ class MemorySnapshotter:
                 files[file] = _write_pieces(self._maps, os.path.join(partial, file), tensors)
             done.set()  # the live tensors are copied: the optimizer may change them now
             if metadata is not None:
-                with open(os.path.join(partial, METADATA_NAME), "wb") as f:
-                    f.write(metadata)
+                write_private(os.path.join(partial, METADATA_NAME), metadata)
                 files[METADATA_NAME] = [len(metadata), crc32c_of([metadata])]
             stamp = SnapshotStamp(self.generation, self.rank, self.world, step, files, commit)
             self.store.publish(partial, stamp)
             first, self._newest = self._newest is None, step
         except Exception as exc:
             self.failed += 1
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                self._out_of_space(partial, exc)
             logger.warning("rank %d: snapshot of step %d failed: %s", self.rank, step, exc)
             return
         finally:

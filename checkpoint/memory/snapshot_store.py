@@ -30,7 +30,6 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -39,25 +38,21 @@ import numpy as np  # at import, not at the first restore: importing it in an ag
 
 from tenax.checkpoint.errors import SnapshotError
 from tenax.checkpoint.format.storage import checksum_algorithms
-from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps
+from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps, reserve
+# The tree's names stay importable from here (where they were first defined)
+from tenax.checkpoint.memory.tmpfs_tree import (SNAPSHOT_ENV, job_dir, snapshot_root,
+                                                write_private)
 from tenax.checkpoint.save.writer import write_all
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_ENV = "TENAX_SNAPSHOT_DIR"
+__all__ = ["SNAPSHOT_ENV", "SnapshotDir", "SnapshotStamp", "allocate", "crc32c_of", "job_dir",
+           "overwrite", "snapshot_root"]
+
 STAMP_NAME = "stamp.json"
 SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
-
-
-def snapshot_root() -> str:
-    """Where agents keep snapshots: `$TENAX_SNAPSHOT_DIR`, else /dev/shm, else the temp dir."""
-    base = os.environ.get(SNAPSHOT_ENV)
-    if not base:
-        shm = "/dev/shm"
-        base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"tenax-snapshots-{os.getuid()}")
 
 
 def crc32c_of(chunks: Iterable[memoryview | bytes], value: int = 0) -> int:
@@ -73,7 +68,7 @@ def overwrite(path: str, views: Iterable[memoryview],
     """Write the views one after another into `path` over its existing pages (no truncation
     first: a reused tmpfs buffer keeps its pages), then cut it to the bytes written. `each`
     sees every view before it is written (a running checksum)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     written = 0
     try:
         for view in views:
@@ -147,12 +142,12 @@ class SnapshotDir:
         """The `.partial` directory to write this step into: a reused buffer when `keep` are
         held (see __init__), else a fresh one; other leftovers of a killed writer go."""
         series = self.series(generation, rank)
-        os.makedirs(series, exist_ok=True)
+        os.makedirs(series, mode=0o700, exist_ok=True)
         path = os.path.join(series, f"s{step}{PARTIAL}")
         reuse = self._reusable(series, generation, rank)
         if reuse is None:
             shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(path)
+            os.makedirs(path, mode=0o700)
         elif reuse != path:
             shutil.rmtree(path, ignore_errors=True)
             os.rename(reuse, path)  # atomic: a complete buffer turns invisible before rewriting
@@ -176,8 +171,7 @@ class SnapshotDir:
         """Stamp last, then the rename that makes the snapshot complete; then prune."""
         for name in set(os.listdir(partial)) - set(stamp.files):  # a reused buffer's extras
             os.unlink(os.path.join(partial, name))
-        with open(os.path.join(partial, STAMP_NAME), "w") as f:
-            f.write(stamp.to_json())
+        write_private(os.path.join(partial, STAMP_NAME), stamp.to_json().encode())
         final = partial[:-len(PARTIAL)]
         if os.path.exists(final):  # the same step written again (e.g. after a restore)
             shutil.rmtree(final, ignore_errors=True)
@@ -199,12 +193,18 @@ class SnapshotDir:
         `fill(name, view)` fills each file's mapped pages, in name order (a reused buffer of
         the same size keeps its pages and, through the receiver's `maps`, its mapping), and
         returns the crc32c of what it wrote (computed as the bytes arrive: a second pass would
-        read them back from memory); each must match the stamp's. The caller publishes."""
+        read them back from memory); each must match the stamp's. The caller publishes.
+        Every file is allocated before the first byte is asked for: a tmpfs without room is
+        an OSError (ENOSPC) now, not a SIGBUS mid-way (buffer_maps.reserve)."""
+        for name in sorted(stamp.files):
+            allocate(os.path.join(partial, _safe_name(name)), stamp.files[name][0])
         for name in sorted(stamp.files):
             size, crc = stamp.files[name]
             path = os.path.join(partial, _safe_name(name))
             try:
                 got = _fill(maps, path, size, name, fill)
+            except (TimeoutError, ConnectionError):  # the link's fault: its caller says so
+                raise
             except OSError as exc:  # e.g. the job ended and its directory went
                 raise SnapshotError(f"replica of rank {stamp.rank} step {stamp.step}: {name}: "
                                     f"{exc}") from None
@@ -230,8 +230,7 @@ class SnapshotDir:
         """The agent's word that `step` of this series reached the peer (or never will)."""
         path = os.path.join(self.series(generation, rank), SENT_NAME)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(int(step)))
+        write_private(tmp, str(int(step)).encode())
         os.replace(tmp, path)
 
     def sent_step(self, generation: int, rank: int) -> int | None:
@@ -343,6 +342,16 @@ class SnapshotDir:
                                     f"({len(data)} of {size} bytes, checksum mismatch)")
             files[name] = data
         return stamp, files
+
+
+def allocate(path: str, size: int) -> None:
+    """`path` made exactly `size` bytes, every page allocated (kept if it already is)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_size != size:
+            reserve(fd, size, path)
+    finally:
+        os.close(fd)
 
 
 def _fill(maps: BufferMaps, path: str, size: int, name: str,

@@ -88,7 +88,9 @@ class TrainerState:
         t = self.trainer
         return {"layout": t.layout.degrees(), "parallel": t.layout.to_dict(),
                 "data_cursor": int(t.loader.state_dict()["samples_consumed"]),
-                "seed": t.spec.train.seed}
+                "seed": t.spec.train.seed,
+                # the job spec travels with the checkpoint (`tenax export hf` reads it)
+                "spec": t.spec.model_dump(mode="json", by_alias=True)}
 
 
 def manifest_fields(state: Any, job: str, model_hash: str) -> dict[str, Any]:
@@ -98,7 +100,8 @@ def manifest_fields(state: Any, job: str, model_hash: str) -> dict[str, Any]:
     d = state.describe()
     return {"layout": d["layout"], "model_hash": model_hash, "data_cursor": d["data_cursor"],
             "seed": d["seed"], "lr_step": state.step,
-            "extra": {"format": FORMAT, "parallel": d.get("parallel", {}), "job": job}}
+            "extra": {"format": FORMAT, "parallel": d.get("parallel", {}), "job": job,
+                      **({"spec": d["spec"]} if d.get("spec") is not None else {})}}
 
 
 def as_state_provider(obj: Any) -> StateProvider:

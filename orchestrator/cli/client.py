@@ -133,12 +133,27 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         else:
             _print_job(job)
         return 0
-    jobs = [job_dict(j) for j in client.call("ListJobs", pb.ListJobsRequest()).jobs]
+    jobs = [job_dict(j) for j in list_all_jobs(client, args.page_size)]
     if args.json:
         _print_json(jobs)
     else:
         _print_jobs(jobs)
     return 0
+
+
+def list_all_jobs(client: Client, page_size: int = 0) -> list[Any]:
+    """Every job, newest first, one ListJobs page per call (a server keeps each reply
+    below gRPC's message limit, so a long history never fails the listing)."""
+    from tenax.proto import jobs_pb2 as pb
+
+    jobs: list[Any] = []
+    token = ""
+    while True:
+        reply = client.call("ListJobs", pb.ListJobsRequest(page_size=page_size, page_token=token))
+        jobs += reply.jobs
+        if not reply.next_page_token or reply.next_page_token == token:
+            return jobs
+        token = reply.next_page_token
 
 
 @_rpc_command
@@ -222,7 +237,8 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
     for j in jobs:
         state = j["state"] + (f" #{j['queue_position']}" if j["state"] == "QUEUED" else "")
         table.add_row(j["job_id"], state, str(j["priority"]), f"{j['step']}/{j['total_steps']}",
-                      _loss(j["loss"]), layout_text(j["layout"]), str(j["gpus"]), str(j["restarts"]),
+                      _loss(j["loss"]), layout_text(j["layout"]), str(j["gpus"]),
+                      str(j["restarts"]),
                       datetime.fromtimestamp(j["updated_at"]).strftime("%Y-%m-%d %H:%M:%S"))
     _console().print(table)
 
@@ -263,19 +279,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         loopback_env()
     from tenax.orchestrator.errors import StoreError
-    from tenax.orchestrator.service.auth import read_tokens
+    from tenax.orchestrator.service.auth import read_identities
+    from tenax.orchestrator.service.limits import ServiceLimits
     from tenax.orchestrator.service.server import ServeConfig, serve
 
     if not args.verbose:  # a server reports job transitions; the CLI default is WARNING
         logging.getLogger().setLevel(logging.INFO)
-    config = ServeConfig(
-        state_dir=args.state_dir, host=args.host, port=args.port,
-        metrics_port=None if args.no_metrics else args.metrics_port, address=args.address,
-        tokens=read_tokens(args.token_file) if args.token_file else None,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, gpus=args.gpus, cpus=args.cpus,
-        storage_roots=args.storage_roots, insecure=args.insecure, metrics_host=args.metrics_host,
-        autoscale_max=args.autoscale_max)
     try:
+        config = ServeConfig(
+            state_dir=args.state_dir, host=args.host, port=args.port,
+            metrics_port=None if args.no_metrics else args.metrics_port, address=args.address,
+            tokens=read_identities(args.token_file) if args.token_file else None,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, gpus=args.gpus, cpus=args.cpus,
+            storage_roots=args.storage_roots, insecure=args.insecure,
+            metrics_host=args.metrics_host, autoscale_max=args.autoscale_max,
+            limits=ServiceLimits(args.max_queued_per_token, args.max_queued,
+                                 args.keep_finished))
         return serve(config)
     except (StoreError, ConnectionError, ValueError) as err:  # state dir busy, Ray
         # unreachable, an unsafe bind or a bad --storage-root
@@ -308,7 +327,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", default=default_state_dir(),
                    help="job store directory (default: $TENAX_STATE_DIR or ~/.local/state/tenax)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
-    p.add_argument("--token-file", help="require 'authorization: Bearer <token>' (one per line)")
+    p.add_argument("--token-file", help="require 'authorization: Bearer <token>'; lines "
+                   "'token [name [max_priority]]'")
+    _limit_flags(p)
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--gpus", type=int, help="embedded Ray: GPU slots (default: the GPUs, "
@@ -319,6 +340,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "GPU group's maxReplicas x GPUs per pod); jobs that fit that shape queue "
                    "instead of being refused")
     p.set_defaults(func=cmd_serve)
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    from tenax.orchestrator.service.limits import (DEFAULT_KEEP_FINISHED, DEFAULT_MAX_QUEUED,
+                                                   DEFAULT_MAX_QUEUED_PER_TOKEN)
+
+    p.add_argument("--max-queued-per-token", type=int, default=DEFAULT_MAX_QUEUED_PER_TOKEN,
+                   metavar="N", help="queued jobs one token may have (default "
+                   f"{DEFAULT_MAX_QUEUED_PER_TOKEN}); more are refused")
+    p.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED, metavar="N",
+                   help=f"queued jobs in all (default {DEFAULT_MAX_QUEUED}); more are refused")
+    p.add_argument("--keep-finished", type=int, default=DEFAULT_KEEP_FINISHED, metavar="N",
+                   help="finished jobs whose record and history are kept (default "
+                   f"{DEFAULT_KEEP_FINISHED}); older ones are forgotten")
 
 
 def _nodes_by_gpus(text: str) -> tuple[int, int]:
@@ -338,6 +373,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="one job, or a table of every job")
     p.add_argument("job_id", nargs="?")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--page-size", type=int, default=0, metavar="N",
+                   help="jobs per ListJobs call (default: the server's page)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("watch", help="stream a job's events until it ends")
     p.add_argument("job_id")

@@ -14,6 +14,10 @@ from typing import Any, Callable
 
 from tenax.checkpoint import register as register_ckpt
 from tenax.orchestrator.cli.client import register as register_service
+from tenax.orchestrator.cli.data import register as register_data
+from tenax.orchestrator.cli.diagnose import register as register_diagnose
+from tenax.orchestrator.cli.export import register as register_export
+from tenax.orchestrator.cli.preflight import register as register_preflight
 
 logger = logging.getLogger(__name__)
 
@@ -96,22 +100,16 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
 
 def cmd_plan_layout(args: argparse.Namespace) -> int:
     from tenax.orchestrator.spec import load_spec, plan_for_spec
-    from tenax.parallel import Cluster, PlanOptions, plan_layout, snapshot_footprint
+    from tenax.parallel import snapshot_footprint
 
     options, mem_gib = _gpu_options(args)
+    if args.global_batch_size is not None:  # the same as --set train.global_batch_size=N
+        args.overrides = [*args.overrides, f"train.global_batch_size={args.global_batch_size}"]
     if args.spec:
         spec = load_spec(args.spec, args.overrides)
         result = plan_for_spec(spec, args.gpus, args.gpus_per_node, mem_gib, **options)
     else:
-        # A preset names only a model: every degree, the batch split and precision are free,
-        # except the parallel.* keys the user --set (to evaluate a published configuration).
-        spec = load_spec(preset=args.model_preset, overrides=args.overrides)
-        keys = {o.split("=", 1)[0].split(".", 1)[1] for o in args.overrides
-                if o.startswith("parallel.")}
-        fixed = {k: getattr(spec.parallel, k) for k in keys}
-        result = plan_layout(spec.model.args(),
-                             Cluster(args.gpus, args.gpus_per_node, mem_gib, **options),
-                             PlanOptions(global_batch_size=args.global_batch_size, fixed=fixed))
+        spec, result = _plan_preset(args, options, mem_gib)
     doc = result.to_dict()
     doc["snapshot_memory"] = snapshot_footprint(
         spec.model.args(), result.layout, args.gpus_per_node, spec.checkpoint.memory_every_steps,
@@ -123,12 +121,36 @@ def cmd_plan_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpu_options(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
-    """`--gpu NAME` and its override flags -> planner `Cluster` options and GiB per GPU."""
+def _plan_preset(args: argparse.Namespace, options: dict[str, Any],
+                 mem_gib: float | None) -> tuple[Any, Any]:
+    """A preset names only a model: every degree, the batch split, recompute and precision
+    (bf16 mixed) are free, except the keys the user --set, whatever else is pinned (to evaluate
+    a published configuration). The global batch defaults to the planner's 4 per GPU."""
+    from tenax.orchestrator.spec import load_spec
+    from tenax.parallel import Cluster, PlanOptions, plan_layout, precision, slot_memory_gib
+
+    keys = {o.split("=", 1)[0].strip() for o in args.overrides}
+    loaded = [f"train.global_batch_size={4 * args.gpus}", "parallel.micro_batch_size=1"]
+    # Defaults only for loading (the spec checks dp*micro_batch against the batch): the user's
+    # --set come after them and win; an unset micro-batch stays free for the planner.
+    spec = load_spec(preset=args.model_preset, overrides=loaded + args.overrides)
+    pinned = {k.split(".", 1)[1] for k in keys if k.startswith("parallel.")}
+    fixed = {k: getattr(spec.parallel, k) for k in pinned if k != "recompute"}
+    dtype = precision(spec.train.dtype) if "train.dtype" in keys else {}
+    mem = mem_gib or slot_memory_gib(spec.resources.device, args.gpus_per_node)
+    return spec, plan_layout(spec.model.args(),
+                             Cluster(args.gpus, args.gpus_per_node, mem, **options),
+                             PlanOptions(spec.train.global_batch_size, spec.model.seq_len, fixed,
+                                         recompute=spec.parallel.recompute, **dtype))
+
+
+def _gpu_options(args: argparse.Namespace) -> tuple[dict[str, Any], float | None]:
+    """`--gpu NAME` and its override flags -> planner `Cluster` options and GiB per GPU (None:
+    80 GiB GPUs, or a CPU slot's share of host RAM for `resources.device: cpu`)."""
     from tenax.parallel import gpu_model, planner_options
 
     if args.gpu is None:
-        return {}, args.gpu_mem_gib or 80.0
+        return {}, args.gpu_mem_gib
     scale = {"peak_tflops": ("peak_bf16_flops", 1e12), "hbm_gb": ("hbm_gb", 1.0),
              "hbm_tbps": ("hbm_bandwidth_Bps", 1e12), "nvlink_gbps": ("nvlink_Bps", 1e9),
              "internode_gbps": ("internode_Bps", 1e9)}
@@ -161,18 +183,6 @@ def _print_plan(doc: dict[str, Any]) -> None:
                                                       "why"], rows)
     if doc["rejected"]:
         _table("Rejected", ["reason", "count"], [[k, v] for k, v in doc["rejected"].items()])
-
-
-# ---- tenax data ----------------------------------------------------------------------------
-def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from tenax.workers import prepare_token_file
-
-    stats = prepare_token_file(args.texts, args.out, args.token_dtype)
-    if args.json:
-        _print_json(stats)
-    else:
-        print(f"wrote {stats['n_tokens']} tokens from {stats['n_docs']} documents to {stats['uri']}")
-    return 0
 
 
 # ---- parser --------------------------------------------------------------------------------
@@ -211,21 +221,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                        ("--internode-gbps", "GB/s per GPU")):
         p.add_argument(flag, type=float, default=None, help=f"override the --gpu's {unit}")
     p.add_argument("--global-batch-size", type=int, default=None,
-                   help="with --model-preset: sequences per step (default: 4 per GPU)")
+                   help="sequences per step, as --set train.global_batch_size (preset default: "
+                        "4 per GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_plan_layout)
     for parser in plan.choices.values():
         parser.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def _add_data(sub: argparse._SubParsersAction) -> None:
-    data = sub.add_parser("data", help="training data tools").add_subparsers(dest="what", required=True)
-    p = data.add_parser("prepare", help="write a byte-level token file from text files")
-    p.add_argument("texts", nargs="+", help="text files (paths or fsspec URIs)")
-    p.add_argument("--out", required=True, help="output URI (file://, memory://, s3://, ...)")
-    p.add_argument("--token-dtype", default="uint16")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_data_prepare)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -237,7 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tenax.orchestrator.spec import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    return run_job(spec, args.chaos, args.log_json, args.address, args.metrics_port)
+    return run_job(spec, args.chaos, args.log_json, args.address, args.metrics_port,
+                   args.preflight)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -248,11 +250,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-json", help="append one JSON object per event to this file")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--preflight", action="store_true",
+                   help="smoke-test the job first and run it only if no check fails")
     p.set_defaults(func=cmd_run)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, _add_data, register_ckpt,
-                                                                   register_service]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, register_data, register_ckpt,
+                                                                   register_service,
+                                                                   register_diagnose]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for register in REGISTRARS:
         register(sub)
+    register_export(sub)
+    register_preflight(sub)
     return parser
 
 

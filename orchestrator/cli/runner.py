@@ -110,6 +110,8 @@ class EventSink:
             self.console.print(_styled(event))
         elif kind == "checkpoint":
             self.console.print(f"[dim]{escape(human(event))}[/dim]")
+        elif kind == "eval":
+            self.console.print(f"[cyan]{escape(human(event))}[/cyan]")
 
     def close(self) -> None:
         if self.file:
@@ -137,10 +139,12 @@ def _queue(spec: JobSpec, sink: EventSink) -> str | None:
 
 
 def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
-            address: str | None = None, metrics_port: int | None = None) -> int:
+            address: str | None = None, metrics_port: int | None = None,
+            preflight: bool = False) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tenax.orchestrator.cli.preflight import preflight_gate
     from tenax.orchestrator.job.controller import Controller, ControllerOptions, JobState
 
     chaos = parse_chaos(chaos_spec)
@@ -153,6 +157,10 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
         task = progress.add_task("starting", total=spec.train.steps, name=spec.name)
         sink = EventSink(log_json, console, progress, task, spec.train.steps)
         if address and (why := _queue(spec, sink)) is not None:  # a shared cluster: queue
+            sink.close()
+            console.print(f"Job {spec.name} not started: {escape(why)}.")
+            return 1
+        if (why := preflight_gate(spec, preflight, sink, console)) is not None:
             sink.close()
             console.print(f"Job {spec.name} not started: {escape(why)}.")
             return 1

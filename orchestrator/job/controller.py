@@ -36,6 +36,7 @@ import uuid
 from typing import Any
 
 from tenax.orchestrator.chaos.driver import ChaosDriver
+from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery, Rescaling
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
@@ -53,6 +54,7 @@ from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
 from tenax.parallel import ParallelLayout
 from tenax.workers import Event
+from tenax.workers.tracking import job_events
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,9 @@ class Controller:
 
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> JobState:
+        tracking = job_events(self.spec.to_dict())  # logging.tensorboard_dir: the job's own run
+        if tracking is not None:
+            self.subscribe(tracking.on_event)
         try:
             while not self.state.terminal:
                 self.step_once()
@@ -165,6 +170,8 @@ class Controller:
             self._transition(JobState.CANCELLED, f"interrupted ({self._interrupted_by})")
         finally:
             self._stop_group()
+            if tracking is not None:
+                tracking.close()
         return self.state
 
     def step_once(self) -> None:
@@ -227,6 +234,8 @@ class Controller:
                 self.rescaling = Rescaling()
             elif notice.closes == "recovery":
                 self.recovery.failed_at = None
+            elif notice.closes == "snapshots":  # later placements keep them off
+                self.placer.turn_off_snapshots(str(notice.fields.get("reason", "")))
 
     def _snapshot(self) -> JobSnapshot:
         now, rec = time.monotonic(), self.recovery
@@ -333,10 +342,11 @@ class Controller:
         rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
         rec.health = tuple(self.group.health()) if self.group is not None else ()
         rec.probes.reset()
-        if decision.failed_ranks:
+        if decision.failed_ranks:  # a hang's stacks first: before anything is killed
+            evidence = hang_evidence(self.group, self.spec, decision.cause_kind)
             self.publish("failure", step=self.progress.max_step_seen,
                          rank=decision.failed_ranks[0], ranks=list(decision.failed_ranks),
-                         cause=decision.reason, kind=decision.cause_kind)
+                         cause=decision.reason, kind=decision.cause_kind, **evidence)
         if decision.action == JobAction.FAIL or decision.cause_kind == "placement":
             self._stop_group(keep_snapshots=decision.action != JobAction.FAIL)  # restart cold
 
@@ -358,9 +368,9 @@ class Controller:
             return
         for node, slots in decision.lost_nodes:
             self.lost_slots[node] = self.lost_slots.get(node, 0) + slots
-            if self.group is not None:
-                self.group.mark_lost(node)
             logger.warning("job %s: node %s lost (%d slot(s))", self.job_id, node[:8], slots)
+        if self.group is not None:  # by block: blocks may share a Ray node (one raylet)
+            self.group.mark_blocks_lost(decision.lost_blocks)
         self.restarts += 1
         self.recovery.reported_lost.clear()
         self.recovery.probes.reset()

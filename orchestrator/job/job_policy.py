@@ -98,6 +98,9 @@ class JobDecision:
     cause_kind: str = ""  # dead | heartbeat | hang | error | straggler | placement | rescale
     lost_nodes: tuple[tuple[str, int], ...] = ()  # (Ray node id, slots) to treat as gone
     probe: tuple[str, ...] = ()  # RECOVERING: nodes to probe before deciding what is lost
+    # REPLAN: the node blocks (placement order) that are gone. Several blocks may share one Ray
+    # node (one raylet simulating many nodes): only these lose their agents and snapshots.
+    lost_blocks: tuple[int, ...] = ()
 
 
 def restart_or_fail(reason: str, restarts: int, limits: Limits, failed: tuple[int, ...] = (),
@@ -245,18 +248,31 @@ class NodeLossPolicy:
         if pending - certain and snap.state_age_s <= snap.state_deadline_s:
             return JobDecision(JobAction.CONTINUE,
                                f"waiting for {len(pending - certain)} node probe(s)")
-        lost, failed = dict(snap.known_lost), set(snap.failed_ranks)
-        for _, block in _blocks(snap):
-            node = block[0].node_id if block else ""
-            whole = bool(block) and all(r.rank in failed or r.dead for r in block)
-            if block and node not in lost and (node in certain or node in snap.refused or
-                                               (whole and node in pending)):
-                lost[node] = len(block)
+        every = _blocks(snap)
+        blocks = tuple(k for k, block in every if self._lost(snap, k, block, pending))
+        known, lost = dict(snap.known_lost), dict(snap.known_lost)
+        for k in blocks:
+            node = every[k][1][0].node_id
+            if node not in known:  # an eviction's failure already counted its slots
+                lost[node] = lost.get(node, 0) + len(every[k][1])
         gone = "; ".join(f"node {n[:8]} lost ({s} slot(s))" for n, s in lost.items())
         reason = (f"restart {snap.restarts + 1}/{snap.limits.max_restarts} after: "
                   f"{snap.failure_reason}")
         return JobDecision(JobAction.REPLAN, reason + (f"; {gone}" if gone else ""),
-                        snap.failed_ranks, lost_nodes=tuple(lost.items()))
+                           snap.failed_ranks, lost_nodes=tuple(lost.items()), lost_blocks=blocks)
+
+    def _lost(self, snap: JobSnapshot, k: int, block: list["RankHealth"],
+              pending: set[str]) -> bool:
+        """Block k is gone. Decided per block, not per Ray node: blocks that share a node (one
+        raylet simulating several) are lost one by one, as separate nodes would be; a refused
+        probe (the raylet itself is down) takes every block on it."""
+        if not block:
+            return False
+        failed = set(snap.failed_ranks)
+        whole = all(r.rank in failed or r.dead for r in block)
+        node = block[0].node_id
+        return self._certain(snap, k, block) or node in snap.refused or \
+            (whole and node in pending)
 
 
 @dataclass(frozen=True)

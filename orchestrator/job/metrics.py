@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -62,7 +62,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                         "1 for the job's current state, 0 for the others"),
     "tenax_job_step": ("gauge", JOB, "Last completed optimizer step"),
     "tenax_job_loss": ("gauge", JOB, "Loss of the last step (mean token loss of the global batch)"),
+    "tenax_job_eval_loss": ("gauge", JOB, "Validation loss of the last evaluation "
+                            "(data.validation; NaN until the first)"),
     "tenax_job_tokens_per_second": ("gauge", JOB, "Global batch tokens / wall step time"),
+    "tenax_job_lr": ("gauge", JOB, "Learning rate of the last step (not pinned)"),
+    "tenax_job_grad_norm": ("gauge", JOB, "Global gradient L2 norm of the last step, before "
+                            "clipping (not pinned)"),
     "tenax_job_world_size": ("gauge", JOB, "Ranks in the current layout"),
     "tenax_job_layout_info": ("gauge", JOB + LAYOUT_KEYS, "Current parallel layout (value 1)"),
     "tenax_job_restarts_total": ("counter", JOB + ("reason",),
@@ -79,6 +84,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                              "Step of the newest committed checkpoint"),
     "tenax_checkpoint_failures_total": ("counter", JOB,
                                         "Checkpoint saves that failed (not pinned)"),
+    "tenax_replica_failures_total": ("counter", JOB + ("reason",),
+                                     "Replicas refused by the job's agents, or not sent, by "
+                                     "reason (docs/recovery.md)"),
     # tenax serve's scheduler (exported by a server only)
     "tenax_queue_jobs": ("gauge", ("priority",), "Jobs waiting in the queue, by priority"),
     "tenax_job_queued_seconds": ("gauge", JOB, "Seconds the job has waited in the queue in all"),
@@ -102,6 +110,7 @@ class _Rank:
     step: int = 0
     tokens_per_s: float = 0.0
     step_s: float = 0.0
+    replica_failures: dict[str, int] = field(default_factory=dict)  # its agent's, by reason
 
 
 class JobMetrics:
@@ -115,6 +124,8 @@ class JobMetrics:
         self._lock = threading.Lock()
         self.state = "PENDING"
         self.step, self.loss, self.tokens_per_s, self.world_size = 0, math.nan, 0.0, 0
+        self.lr, self.grad_norm = math.nan, math.nan
+        self.eval_loss = math.nan
         self.layout: dict[str, Any] | None = None
         self.ranks: dict[int, _Rank] = {}
         self.scores: dict[int, float] = {}
@@ -123,6 +134,7 @@ class JobMetrics:
         self.recoveries: list[float] = []
         self.lost_steps = 0
         self.ckpt = {"blocked": 0.0, "save": 0.0, "load": 0.0, "committed": 0, "failures": 0}
+        self.replica_failures_gone: dict[str, int] = {}  # counted by agents since replaced
 
     # ---- inputs --------------------------------------------------------------------------
     def on_event(self, event: Mapping[str, Any]) -> None:
@@ -137,8 +149,12 @@ class JobMetrics:
     def _on_step(self, e: Mapping[str, Any]) -> None:
         self.step, self.loss = e["step"], e.get("loss", math.nan)
         self.tokens_per_s = e.get("tokens_per_s", 0.0)
+        self.lr, self.grad_norm = e.get("lr", math.nan), e.get("grad_norm", math.nan)
         self.world_size = e.get("world_size", self.world_size)
         self.layout = e.get("layout", self.layout)
+
+    def _on_eval(self, e: Mapping[str, Any]) -> None:
+        self.eval_loss = float(e.get("loss", math.nan))
 
     def _on_state(self, e: Mapping[str, Any]) -> None:
         self.state = e["state"]
@@ -204,6 +220,13 @@ class JobMetrics:
         rank.step = int(status.get("step", rank.step) or 0)
         rank.tokens_per_s = float(status.get("rank_tokens_per_s", rank.tokens_per_s) or 0.0)
         rank.step_s = float(status.get("step_s", rank.step_s) or 0.0)
+        counts = status.get("replica_failures")
+        if isinstance(counts, Mapping):
+            for reason, n in rank.replica_failures.items():  # a new agent counts from 0
+                if int(counts.get(reason, 0)) < n:
+                    gone = self.replica_failures_gone
+                    gone[reason] = gone.get(reason, 0) + n
+            rank.replica_failures = {str(k): int(v) for k, v in counts.items()}
 
     # ---- output --------------------------------------------------------------------------
     def _goodput(self) -> float:
@@ -242,7 +265,10 @@ class JobMetrics:
             f["tenax_job_state"].add_metric(job + [state], 1.0 if state == self.state else 0.0)
         f["tenax_job_step"].add_metric(job, self.step)
         f["tenax_job_loss"].add_metric(job, self.loss if self.loss is not None else math.nan)
+        f["tenax_job_eval_loss"].add_metric(job, self.eval_loss)
         f["tenax_job_tokens_per_second"].add_metric(job, self.tokens_per_s)
+        f["tenax_job_lr"].add_metric(job, self.lr)
+        f["tenax_job_grad_norm"].add_metric(job, self.grad_norm)
         f["tenax_job_world_size"].add_metric(job, self.world_size)
         if self.layout:
             f["tenax_job_layout_info"].add_metric(
@@ -262,6 +288,12 @@ class JobMetrics:
         f["tenax_checkpoint_load_seconds"].add_metric(job, c["load"])
         f["tenax_checkpoint_last_committed_step"].add_metric(job, c["committed"])
         f["tenax_checkpoint_failures_total"].add_metric(job, c["failures"])
+        totals = dict(self.replica_failures_gone)
+        for rank in self.ranks.values():
+            for reason, n in rank.replica_failures.items():
+                totals[reason] = totals.get(reason, 0) + n
+        for reason, n in sorted(totals.items()):
+            f["tenax_replica_failures_total"].add_metric(job + [reason], n)
 
 
 class TenaxCollector(Collector):

@@ -31,7 +31,8 @@ class Notice:
     """An event to publish; a rank's record keeps the `time` the rank stamped it with."""
     event: str
     fields: dict[str, Any]
-    closes: str = ""  # rescale | recovery: the open fact this event ends (the controller resets it)
+    # rescale | recovery | snapshots: the open fact this event ends (the controller resets it)
+    closes: str = ""
 
 
 @dataclass
@@ -70,6 +71,10 @@ class JobProgress:
                     yield relayed(record)
             elif kind == "snapshot" and record["rank"] == 0 and record.get("first"):
                 yield relayed(record)  # once per attempt (what one costs); every step would flood
+            elif kind == "snapshots_off" and record["rank"] == 0:  # every rank stopped alike
+                yield Notice(record["event"], relayed(record).fields, closes="snapshots")
+            elif kind == "eval" and record["rank"] == 0:  # every rank computed the same loss
+                yield relayed(record)
             elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
                 self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))
                 yield relayed(record)

@@ -3,11 +3,12 @@
 - `WorkerGroup`: one Ray agent per GPU slot in STRICT_PACK placement groups; heartbeats
   (`RankHealth`), start, stop, shutdown.
 - `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
-- Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?).
+- Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?);
+  `ray_nodes` (`NodesReader`): ray.nodes() with a deadline (`RayNodesTimeout`).
 - Recovery source: `choose_recovery_source` (pure: memory, replica or storage) over
   `SnapshotPiece`s into a `RecoverySource`; `MemoryRecovery`, `MemoryStart`.
 - Host memory: `plan_snapshot_memory` (do in-memory snapshots fit the nodes?),
-  `ray_node_memory_bytes`.
+  `ray_node_memory_bytes`, `snapshot_tmpfs_room`.
 
 Names resolve lazily (PEP 562).
 """
@@ -18,10 +19,11 @@ from tenax.faces import lazy_face
 _MODULES = {
     "worker_group": ("RankHealth", "WorkerGroup"),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
-    "capacity": ("Capacity", "NodeProbes", "cluster_capacity"),
+    "capacity": ("Capacity", "NodeProbes", "NodesReader", "RayNodesTimeout", "cluster_capacity",
+                 "ray_nodes"),
     "recovery_policy": ("RecoverySource", "SnapshotPiece", "choose_recovery_source"),
     "recovery": ("MemoryRecovery", "MemoryStart"),
-    "host_memory": ("plan_snapshot_memory", "ray_node_memory_bytes"),
+    "host_memory": ("plan_snapshot_memory", "ray_node_memory_bytes", "snapshot_tmpfs_room"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

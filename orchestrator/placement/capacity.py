@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,59 @@ class Capacity:
     detail: str = ""
 
 RAYLET_CONNECT_S = 0.5
+RAY_NODES_TIMEOUT_S = 10.0  # ray.nodes() is a GCS call with no deadline of its own
+
+
+class RayNodesTimeout(ConnectionError):
+    """ray.nodes() did not answer in time (the GCS is down, partitioned or overloaded)."""
+
+
+class NodesReader:
+    """ray.nodes() with a deadline: the call runs on a daemon thread and the caller waits at
+    most `timeout_s`. One call at a time: callers arriving while one hangs wait on that same
+    call, so a hung GCS costs one stuck thread, not one per caller."""
+
+    def __init__(self, list_nodes: Any = None) -> None:
+        self.list_nodes = list_nodes  # None: ray.nodes, looked up at each call
+        self._lock = threading.Lock()
+        self._call: Future | None = None
+        self.last: list[dict[str, Any]] | None = None  # the newest answer, for stale_ok
+
+    def nodes(self, timeout_s: float = RAY_NODES_TIMEOUT_S,
+              stale_ok: bool = False) -> list[dict[str, Any]]:
+        """Ray's node table; with `stale_ok` the last answer when this one is late (logged),
+        else RayNodesTimeout naming the deadline. Errors of ray.nodes() itself propagate."""
+        with self._lock:
+            if self._call is None or self._call.done():
+                self._call = Future()
+                threading.Thread(target=self._run, args=(self._call,), daemon=True,
+                                 name="tenax-ray-nodes").start()
+            call = self._call
+        try:
+            nodes = call.result(timeout=timeout_s)
+        except FutureTimeout:
+            if stale_ok and self.last is not None:
+                logger.warning("ray.nodes() did not answer within %g s; using its previous "
+                               "answer", timeout_s)
+                return self.last
+            raise RayNodesTimeout(f"ray.nodes() did not answer within {timeout_s:g} s: is the "
+                                  f"Ray GCS reachable?") from None
+        self.last = nodes
+        return nodes
+
+    def _run(self, call: Future) -> None:
+        try:
+            call.set_result(list((self.list_nodes or ray.nodes)()))
+        except BaseException as err:  # handed to the waiting caller
+            call.set_exception(err)
+
+
+READER = NodesReader()
+
+
+def ray_nodes(timeout_s: float | None = None, stale_ok: bool = False) -> list[dict[str, Any]]:
+    """`NodesReader.nodes` of the process-wide reader (None: RAY_NODES_TIMEOUT_S)."""
+    return READER.nodes(RAY_NODES_TIMEOUT_S if timeout_s is None else timeout_s, stale_ok)
 TASK_AFTER_S = 0.5  # a node whose agents' pings are unanswered this long gets a pinned task
 
 
@@ -36,9 +91,11 @@ def _probe() -> bool:
 
 
 def cluster_capacity(gpus_per_node: int, lost_slots: dict[str, int]) -> Capacity:
-    """Alive Ray nodes' GPU slots, minus those known lost, in whole job nodes."""
+    """Alive Ray nodes' GPU slots, minus those known lost, in whole job nodes. A late
+    ray.nodes() answer falls back to its previous one (a GCS hiccup is not a lost cluster);
+    RayNodesTimeout when there is none."""
     nodes, parts = 0, []
-    for node in ray.nodes():
+    for node in ray_nodes(stale_ok=True):
         gpus = int(node.get("Resources", {}).get("GPU", 0)) if node.get("Alive") else 0
         usable = max(0, gpus - lost_slots.get(node["NodeID"], 0)) // gpus_per_node
         nodes += usable
@@ -61,8 +118,8 @@ def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
     """Nodes whose raylet port refuses a TCP connection: the process is gone. A crashed
     node's kernel answers with a reset at once, while Ray takes ~14 s to declare it dead."""
     try:
-        nodes = ray.nodes()
-    except Exception as exc:  # the GCS is unreachable: no proof either way
+        nodes = ray_nodes(RAYLET_CONNECT_S * 4)
+    except Exception as exc:  # the GCS is unreachable or late: no proof either way
         logger.warning("cannot list Ray nodes to probe raylets: %s", exc)
         return set()
     gone = {n["NodeID"] for n in nodes if n["NodeID"] in node_ids and not n.get("Alive")}
@@ -120,7 +177,8 @@ class NodeProbes:
                 continue
             if node in pinged and not late:
                 continue
-            why = "its agents' pings are unanswered" if node in pinged else "no agent of the job answers"
+            why = ("its agents' pings are unanswered" if node in pinged
+                   else "no agent of the job answers")
             logger.info("probing node %s with a pinned task: %s", node[:8], why)
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
             self.refs[node] = _probe.options(scheduling_strategy=strategy).remote()
@@ -149,5 +207,6 @@ class NodeProbes:
         self.refused -= self.answered
 
     def reset(self) -> None:
-        self.nodes, self.refs, self.answered, self.refused, self.started = (), {}, set(), set(), False
+        self.nodes, self.refs, self.started = (), {}, False
+        self.answered, self.refused = set(), set()
         self.pings, self.sent_at = {}, 0.0

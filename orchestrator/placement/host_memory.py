@@ -24,6 +24,14 @@ layout, since the state per rank changes with the layout) with `ray_node_memory_
 placement's nodes. When node memory is unknown (Ray did not answer within the timeout, or no
 node reports `memory`), nothing is checked and the snapshots stay on; the reason says so.
 
+The snapshots live in tmpfs, which is often smaller than the node's memory (a container's
+/dev/shm is 64 MiB by default): `snapshot_tmpfs_room` measures the free space of the snapshot
+directory's filesystem (`TENAX_SNAPSHOT_DIR`, else /dev/shm) where the controller runs, plus
+what this job's own buffers there already hold (they are rewritten in place), and the plan
+turns the snapshots off when the per-node peak does not fit it. That figure is this host's;
+on another node a full tmpfs is still caught when a buffer is allocated (ENOSPC: snapshots
+off, checkpoint/memory/snapshot.py), never a SIGBUS.
+
 The plan is the one place `checkpoint.memory_every_steps` is read: its `every_steps` (a
 snapshot every N steps, 0: none) goes down to the ranks as it is (MemoryStart, RankRun,
 MemoryOptions), and nothing below decides again.
@@ -31,10 +39,12 @@ MemoryOptions), and nothing below decides again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Union
 
+from tenax.checkpoint.memory import SNAPSHOT_ENV
 from tenax.parallel import ParallelLayout, human_bytes, snapshot_footprint
 from tenax.workers import JobSpec
 
@@ -44,6 +54,7 @@ SAFE_FRACTION = 0.5
 FIELD = "checkpoint.memory_every_steps"
 RAY_TIMEOUT_S = 2.0
 NodeMemory = Union[Mapping[str, float], float, None]  # node id -> bytes, one figure, unknown
+TmpfsRoom = tuple[str, int]  # (directory measured, bytes the snapshots may take there)
 
 
 @dataclass(frozen=True)
@@ -83,14 +94,38 @@ def _smallest(node_memory_bytes: NodeMemory) -> tuple[str, float] | None:
     return ("each node" if one else f"node {name!r} (the smallest)"), float(value)
 
 
+def snapshot_tmpfs_room(job_id: str) -> TmpfsRoom | None:
+    """(directory, bytes) the job's snapshots may take in this host's snapshot tmpfs: its free
+    space plus what the job's buffers there hold already; None when it cannot be measured."""
+    from tenax.checkpoint.memory import free_space, job_dir, used_bytes
+
+    path = job_dir(job_id)
+    where, free = free_space(path)
+    if free < 0:
+        return None
+    return where, free + (used_bytes(path) if os.path.isdir(path) else 0)
+
+
+def _tmpfs_verdict(every: int, need: str, peak: int, room: TmpfsRoom | None) -> str:
+    """The reason the snapshots do not fit the tmpfs; "" when they do or it is unknown."""
+    if room is None or peak <= room[1]:
+        return ""
+    return (f"{FIELD}={every}: in-memory snapshots need {need} > {human_bytes(room[1])} "
+            f"({room[1]} B) free in {room[0]} (the snapshot tmpfs); running with in-memory "
+            f"snapshots off (storage checkpoints only). Enlarge it, point {SNAPSHOT_ENV} at a "
+            f"larger tmpfs, or set {FIELD}=0")
+
+
 def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
-                         node_memory_bytes: NodeMemory | Callable[[], NodeMemory]
+                         node_memory_bytes: NodeMemory | Callable[[], NodeMemory],
+                         tmpfs_room: TmpfsRoom | Callable[[], TmpfsRoom | None] | None = None
                          ) -> SnapshotMemoryPlan:
     """Whether `layout`'s in-memory snapshots fit the smallest node (<= SAFE_FRACTION of its
     memory), and every how many steps to take them. node_memory_bytes: node id -> Ray `memory`
     bytes, one figure for every node, or None (unknown: not checked); or a function returning
     one, called only when the job asks for snapshots (reading Ray's figures is a GCS call).
-    Pure: no Ray of its own."""
+    tmpfs_room: what the snapshot tmpfs can take (`snapshot_tmpfs_room`), or a function
+    returning it, or None (not checked). Pure: no Ray of its own."""
     every = spec.checkpoint.memory_every_steps
     if every == 0:
         return SnapshotMemoryPlan(False, 0, 0, f"{FIELD}=0")
@@ -99,6 +134,14 @@ def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
     peak, state = foot.per_node_peak_bytes, foot.rank_state_bytes
     if callable(node_memory_bytes):
         node_memory_bytes = node_memory_bytes()
+    copies = foot.per_rank_peak_bytes // state if state else 0
+    need = (f"{human_bytes(peak)} ({peak} B) peak per node: {foot.ranks_per_node} rank(s) x "
+            f"{copies} x {human_bytes(state)} rank state ({layout.describe()})")
+    tmpfs = _tmpfs_verdict(every, need, peak, tmpfs_room() if callable(tmpfs_room)
+                           else tmpfs_room)
+    if tmpfs:
+        logger.info("%s", tmpfs)
+        return SnapshotMemoryPlan(False, peak, state, tmpfs, every)
     smallest = _smallest(node_memory_bytes)
     if smallest is None:
         return SnapshotMemoryPlan(True, peak, state, f"{FIELD}={every}: node memory unknown "
@@ -106,9 +149,6 @@ def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
                                   f"not checked", every)
     where, memory = smallest
     limit = SAFE_FRACTION * memory
-    copies = foot.per_rank_peak_bytes // state if state else 0
-    need = (f"{human_bytes(peak)} ({peak} B) peak per node: {foot.ranks_per_node} rank(s) x "
-            f"{copies} x {human_bytes(state)} rank state ({layout.describe()})")
     have = (f"{SAFE_FRACTION} x {human_bytes(memory)} = {human_bytes(limit)} ({int(limit)} B) "
             f"of {where}")
     if peak > limit:

@@ -12,18 +12,19 @@ rank-side faults (`RankChaos`, None in production) ride along to every agent.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
 from tenax.orchestrator.errors import PlacementError
 from tenax.orchestrator.placement.host_memory import (SnapshotMemoryPlan, plan_snapshot_memory,
-                                                      ray_node_memory_bytes)
+                                                      ray_node_memory_bytes,
+                                                      snapshot_tmpfs_room)
 from tenax.orchestrator.placement.recovery import MemoryRecovery, MemoryStart, PreparedRestore
 from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.parallel import ParallelLayout
-from tenax.workers import RankChaos
+from tenax.workers import RankChaos, new_job_secret
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,29 @@ class Placer:
         self.generation = 0
         self.snapshots: SnapshotMemoryPlan | None = None  # the newest placement's decision
         self.told_off = False
+        self.off_reason = ""  # why the ranks turned snapshots off while running (said once)
+        self.secret = new_job_secret()  # the job's replica secret: to its agents, never logged
         self.memory = MemoryRecovery(job_id, spec.checkpoint.uri,
                                      spec.fault_tolerance.heartbeat_timeout_s, timeout_s)
 
     def _plan_memory(self, layout: ParallelLayout) -> str:
         """Decide this placement's snapshots: only where they fit the nodes' memory (never an
         OOM-killed node); the reason they are off is returned the first time only."""
-        plan = self.snapshots = plan_snapshot_memory(self.spec, layout, ray_node_memory_bytes)
+        plan = plan_snapshot_memory(self.spec, layout, ray_node_memory_bytes,
+                                    lambda: snapshot_tmpfs_room(self.job_id))
+        if self.off_reason:  # the ranks found no room at run time: never again for this job
+            plan = replace(plan, enabled=False, reason=self.off_reason)
+        self.snapshots = plan
         if plan.enabled or not plan.requested_every or self.told_off:
             return ""
         self.told_off = True
         logger.warning("job %s: in-memory snapshots off: %s", self.job_id, plan.reason)
         return plan.reason
+
+    def turn_off_snapshots(self, reason: str) -> None:
+        """The ranks turned their snapshots off (no tmpfs space) and said so: every later
+        placement of this job runs without them, and says nothing more."""
+        self.off_reason, self.told_off = reason or "in-memory snapshots turned off", True
 
     def place(self, group: WorkerGroup | None, layout: ParallelLayout,
               chaos: RankChaos | None = None) -> Placed:
@@ -99,6 +111,7 @@ class Placer:
         uris = self.memory.assemble(prepared, group.ranks)
         source = prepared.decision.source if prepared is not None and uris else "storage"
         every = self.snapshots.every_steps if self.snapshots is not None else 0
-        memory = MemoryStart(self.job_id, self.generation, every, uris)
+        rank_bytes = self.snapshots.per_rank_bytes if self.snapshots is not None else 0
+        memory = MemoryStart(self.job_id, self.generation, every, uris, self.secret, rank_bytes)
         group.start(self.spec.to_dict(), self.timeout_s, memory, chaos)
         return reuse, source

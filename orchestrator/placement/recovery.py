@@ -45,6 +45,8 @@ class MemoryStart:
     generation: int
     snapshot_every: int  # the placement's decision: every N steps (0: none), replicated if on
     restore_uris: dict[str, str] = field(default_factory=dict)  # node id -> assembled version
+    secret: str = field(default="", repr=False)  # the job's replica secret (never logged)
+    rank_bytes: int = 0  # the planned bytes of one rank's snapshot (caps a replica)
 
 
 class MemoryRecovery:

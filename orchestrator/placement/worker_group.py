@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tenax.orchestrator.errors import PlacementError
 from tenax.orchestrator.placement.recovery import MemoryStart
 from tenax.parallel import ParallelLayout
-from tenax.workers import RankChaos, RankRun, RankWorker
+from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,16 @@ class WorkerGroup:
             if any(h.node_id == node_id for h in block["slots"]):
                 block["lost"] = True
 
+    def mark_blocks_lost(self, blocks: tuple[int, ...]) -> None:
+        """Node blocks (placement order: block k holds ranks [k*g, (k+1)*g)) are gone. Unlike
+        `mark_lost`, blocks that share the Ray node of a lost one stay: on one raylet that
+        simulates several nodes, the survivors keep their agents and the replicas they hold.
+        A lost block's agents hold nothing usable from now on (`live_holders` skips them) and
+        die with their placement group at the next `create`."""
+        for k in blocks:
+            if 0 <= k < len(self.blocks):
+                self.blocks[k]["lost"] = True
+
     def _collect_info(self, timeout_s: float) -> None:
         slots = [h for b in self.blocks for h in b["slots"]]
         infos = ray.get([h.actor.info.remote() for h in slots], timeout=timeout_s)
@@ -173,12 +183,13 @@ class WorkerGroup:
         refs = []
         for h in self.ranks:
             run = RankRun(spec, self.layout.to_dict(), h.rank, len(self.ranks), addr, port,
-                          node_id=h.node_id, chaos=chaos)
+                          node_id=h.node_id, job_id=self.job_id, chaos=chaos)
             if memory is not None:
                 run = replace(run, job_id=memory.job_id, generation=memory.generation,
                               snapshot_every=memory.snapshot_every,
                               restore_uri=memory.restore_uris.get(h.node_id),
-                              peer=self.peer_of(h.rank) if memory.snapshot_every > 0 else None)
+                              peer=self.peer_of(h.rank) if memory.snapshot_every > 0 else None,
+                              replicas=self.replica_terms(h.rank, memory))
             refs.append(h.actor.start.remote(run))
         attempts = ray.get(refs, timeout=timeout_s)
         now = time.monotonic()
@@ -192,6 +203,15 @@ class WorkerGroup:
         node (a replica on the same node would die with it)."""
         world, g = len(self.ranks), self.gpus_per_node
         return None if world <= g else self.ranks[(rank + g) % world].actor
+
+    def replica_terms(self, rank: int, memory: MemoryStart) -> ReplicaTerms | None:
+        """What `rank`'s agent takes from its own peer: the replica of the rank one node
+        back (the inverse of `peer_of`), from that node's address, under the job's secret."""
+        world, g = len(self.ranks), self.gpus_per_node
+        if memory.snapshot_every <= 0 or world <= g:
+            return None
+        source = self.ranks[(rank - g) % world]
+        return ReplicaTerms(memory.secret, world, (source.rank,), (source.ip,), memory.rank_bytes)
 
     def live_holders(self) -> list[tuple[Any, str]]:
         """(actor, node id) of every actor of every block not known dead (snapshot holders,

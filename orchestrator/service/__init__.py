@@ -7,7 +7,8 @@
 - Scheduling: the pure `decide(SchedulingSnapshot) -> [SchedulingDecision]` (a
   `SchedulingAction` and its reason per job), over `JobView`s and the `Cluster`; `Dispatcher`
   executes it; `wait_for_gpus` queues a `tenax run` on a shared cluster.
-- Guards: `TokenAuth`, `check_exposure`, `read_tokens`; `StorageRoots`, `canonical_uri`.
+- Guards: `TokenAuth`, `check_exposure`, `read_tokens`, `read_identities`; `StorageRoots`,
+  `canonical_uri`; `ServiceLimits`, `Identity` (queue caps, priorities, kept history).
 - Submissions and the wire: `parse_submission`, `connect_ray`; `job_message`, `event_message`,
   `job_dict`, `event_dict`, `state_name`.
 
@@ -24,7 +25,8 @@ _MODULES = {
     "scheduling_policy": ("Cluster", "JobView", "SchedulingAction", "SchedulingDecision",
                           "SchedulingSnapshot", "decide"),
     "scheduler": ("Dispatcher", "wait_for_gpus"),
-    "auth": ("TokenAuth", "check_exposure", "read_tokens"),
+    "auth": ("TokenAuth", "check_exposure", "read_identities", "read_tokens"),
+    "limits": ("Identity", "ServiceLimits"),
     "storage_roots": ("StorageRoots", "canonical_uri"),
     "submission": ("connect_ray", "parse_submission"),
     "wire": ("event_dict", "event_message", "job_dict", "job_message", "state_name"),

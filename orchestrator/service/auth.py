@@ -15,22 +15,48 @@ from typing import Any, Callable
 
 import grpc
 
+from tenax.orchestrator.service.limits import ANONYMOUS, Identity
+
 logger = logging.getLogger(__name__)
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 UNAUTHENTICATED_DETAILS = "missing or invalid token: send metadata 'authorization: Bearer <token>'"
 
 
-def read_tokens(path: str) -> list[str]:
-    """Tokens of a token file, one per line (several allow rotation); blank lines ignored."""
+def read_identities(path: str) -> dict[str, Identity]:
+    """token -> Identity from a token file: lines `token [name [max_priority]]`.
+
+    A bare token (the older one-per-line form; several allow rotation) is named after its
+    line, `token-<line>`, and may use any priority. Blank lines are ignored."""
     try:
         with open(path, encoding="utf-8") as f:
-            tokens = [line.strip() for line in f if line.strip()]
+            lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"--token-file {path}: {getattr(err, 'strerror', None) or err}") from None
-    if not tokens:
+    out: dict[str, Identity] = {}
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        if not words:
+            continue
+        where = f"--token-file {path} line {number}"
+        if len(words) > 3:
+            raise ValueError(f"{where}: expected 'token [name [max_priority]]', "
+                             f"got {len(words)} words")
+        if words[0] in out:
+            raise ValueError(f"{where}: this token is already on an earlier line")
+        top = words[2] if len(words) == 3 else None
+        if top is not None and not top.lstrip("-").isdigit():
+            raise ValueError(f"{where}: max_priority {top[:20]!r} is not a whole number")
+        out[words[0]] = Identity(words[1] if len(words) > 1 else f"token-{number}",
+                                 None if top is None else int(top))
+    if not out:
         raise ValueError(f"--token-file {path}: no token in the file")
-    return tokens
+    return out
+
+
+def read_tokens(path: str) -> list[str]:
+    """The tokens of a token file (see `read_identities`), in file order."""
+    return list(read_identities(path))
 
 
 def bearer_metadata(token: str | None) -> list[tuple[str, str]]:
@@ -38,12 +64,16 @@ def bearer_metadata(token: str | None) -> list[tuple[str, str]]:
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """`authorization: Bearer <token>` on every call but health checks; else UNAUTHENTICATED."""
+    """`authorization: Bearer <token>` on every call but health checks; else UNAUTHENTICATED.
 
-    def __init__(self, tokens: list[str]) -> None:
+    `tokens`: a list (each its own identity, named after its place) or token -> Identity."""
+
+    def __init__(self, tokens: list[str] | dict[str, Identity]) -> None:
         if not tokens:
             raise ValueError("TokenAuth needs at least one token")
-        self._tokens = [t.encode() for t in tokens]
+        if not isinstance(tokens, dict):
+            tokens = {t: Identity(f"token-{i}") for i, t in enumerate(tokens, 1)}
+        self._tokens = [(t.encode(), who) for t, who in tokens.items()]
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         handler = continuation(details)
@@ -54,15 +84,27 @@ class TokenAuth(grpc.ServerInterceptor):
         return _refusing(handler)
 
     def allowed(self, metadata: Any) -> bool:
+        return self.identify(metadata) is not None
+
+    def identify(self, metadata: Any) -> Identity | None:
+        """The identity of the call's bearer token; None when it has no valid one."""
         values = [v for k, v in (metadata or ()) if k == "authorization"]
         if len(values) != 1 or not isinstance(values[0], str):
-            return False
+            return None
         scheme, _, token = values[0].strip().partition(" ")
         given = token.strip().encode()
-        ok = False
-        for expected in self._tokens:  # no early exit: constant time over the tokens
-            ok |= hmac.compare_digest(given, expected)
-        return scheme.lower() == "bearer" and ok
+        found = None
+        for expected, who in self._tokens:  # no early exit: constant time over the tokens
+            if hmac.compare_digest(given, expected):
+                found = who
+        return found if scheme.lower() == "bearer" else None
+
+
+def caller_of(auth: TokenAuth | None, metadata: Any) -> Identity:
+    """Who made a call that passed the interceptor (ANONYMOUS on a server without tokens)."""
+    if auth is None:
+        return ANONYMOUS
+    return auth.identify(metadata) or ANONYMOUS
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -17,13 +17,15 @@ import json
 import logging
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from tenax.checkpoint import Catalog, CatalogError, Storage
 from tenax.orchestrator.errors import StorageRootError, StoreError, SubmitError
-from tenax.orchestrator.job.controller import Controller, ControllerOptions
+from tenax.orchestrator.service.job_runner import JobRunner
+from tenax.orchestrator.service.limits import (ANONYMOUS, Identity, ServiceLimits, UriClaims,
+                                               check_job_id, check_priority, check_queue)
 from tenax.orchestrator.service.scheduler import Dispatcher
-from tenax.orchestrator.service.storage_roots import StorageRoots, overlapping
+from tenax.orchestrator.service.storage_roots import StorageRoots
 from tenax.orchestrator.service.store import JobRecord, JobStore
 from tenax.orchestrator.service.submission import (connect_ray, default_gpu_slots, parse_submission,
                                                    spec_json_of)
@@ -37,102 +39,7 @@ __all__ = ["JobManager", "JobRunner", "connect_ray", "default_gpu_slots", "parse
 
 STORAGE_TIMEOUT_S = 15.0
 DETACH_TIMEOUT_S = 30.0
-
-
-class JobRunner:
-    """One job: its Controller on a thread; events go to the store, metrics, then watchers.
-
-    `allotted` is the scheduler's grant in nodes: the controller never plans for more (its
-    capacity is limited to it), so lowering it shrinks the job through the planned re-plan
-    and raising it grows the job back. `preempt` stops the job at a checkpoint boundary; its
-    end is not stored as CANCELLED but puts the job back in the queue."""
-
-    def __init__(self, manager: "JobManager", job_id: str, spec: JobSpec,
-                 baseline: dict[str, Any] | None = None, allotted: int = 0,
-                 order: float = 0.0) -> None:
-        self.manager, self.job_id, self.spec = manager, job_id, spec
-        self.baseline = baseline or {}  # stored status of a resumed job
-        self.detached = False
-        self.allotted, self.order = allotted or spec.resources.nodes, order
-        self.preempting, self.requeue = "", False
-        self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
-        self.controller = Controller(spec, ControllerOptions(
-            job_id=job_id, on_event=self._on_event, capacity_limit=self.allotment))
-        self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
-
-    def allotment(self) -> int:
-        return self.allotted
-
-    def holds(self) -> int:
-        """Nodes the current placement holds (0 between placements)."""
-        c = self.controller
-        if c.group is None or c.layout is None:
-            return 0
-        return -(-c.layout.world_size // self.spec.resources.gpus_per_node)
-
-    def preempt(self, reason: str) -> None:
-        self.preempting = reason
-        self.controller.preempt(reason)
-
-    @property
-    def alive(self) -> bool:
-        return not self.detached and self.thread.is_alive()
-
-    def status(self) -> dict[str, Any]:
-        status = {**self.controller.status(), "target_nodes": self.controller.target_nodes,
-                  "allotted": self.allotted, "priority": self.spec.priority,
-                  "gpus": self.holds() * self.spec.resources.gpus_per_node,
-                  "queued_s": round(self.manager.dispatcher.queued_s.get(self.job_id, 0.0), 3)}
-        if self.controller.loss is None and self.baseline.get("loss") is not None:
-            # resumed and not stepped yet: the stored step is the better answer
-            status.update(step=self.baseline.get("step", 0), loss=self.baseline["loss"])
-        return status
-
-    def _on_event(self, event: dict[str, Any]) -> None:
-        if self.detached:  # shutting down: the store must keep the job resumable
-            return
-        if event.get("event") == "state":
-            if self.preempting and event.get("state") == "CANCELLED" and \
-                    not self.controller.cancel_requested:
-                self.requeue = True  # not an end: the job goes back to the queue
-                return
-            self.manager.dispatcher.wake.set()
-        self.record(event)
-
-    def record(self, event: dict[str, Any]) -> None:
-        """Store the event (with the status now), feed metrics, wake the watchers."""
-        kind, step = event.get("event"), event.get("step")
-        every = self.manager.store.step_every
-        keep_status = kind != "step" or (isinstance(step, int) and step % every == 0)
-        try:
-            self.manager.store.append_event(self.job_id, event,
-                                            self.status() if keep_status else None)
-        except StoreError as err:  # training goes on; the history has a gap
-            logger.error("job %s: event not stored: %s", self.job_id, err)
-        for callback in self.extra:
-            try:
-                callback(event)
-            except Exception:  # a metrics bug must not stop a job
-                logger.exception("job %s: event callback failed", self.job_id)
-        self.manager.notify()
-
-    def _run(self) -> None:
-        try:
-            self.controller.run()
-        except Exception as err:
-            logger.exception("job %s: controller crashed", self.job_id)
-            self._on_event(stamp({"event": "state", "state": "FAILED", "job": self.job_id,
-                                  "reason": f"controller error: {type(err).__name__}: {err}"}))
-        finally:
-            if not self.detached:
-                try:
-                    self.manager.store.save_status(self.job_id, self.status())
-                except StoreError as err:
-                    logger.error("job %s: final status not stored: %s", self.job_id, err)
-                if self.requeue:
-                    self.manager.requeue(self)
-            self.manager.dispatcher.wake.set()
-            self.manager.notify()
+HOUSEKEEPING_S = 30.0  # how often finished records beyond --keep-finished are forgotten
 
 
 class JobManager:
@@ -140,9 +47,13 @@ class JobManager:
 
     def __init__(self, store: JobStore, collector: Any = None,
                  roots: StorageRoots | None = None,
-                 autoscale_max: tuple[int, int] | None = None) -> None:
+                 autoscale_max: tuple[int, int] | None = None,
+                 limits: ServiceLimits | None = None) -> None:
         self.store, self.collector = store, collector
         self.roots = roots  # None: any URI (embedding callers that trust their submitters)
+        self.limits = limits or ServiceLimits()
+        self.claims = UriClaims()  # checkpoint roots of unfinished jobs
+        self._kept_at = float("-inf")  # when housekeeping last ran (time.monotonic)
         self.runners: dict[str, JobRunner] = {}
         self.stopping = threading.Event()
         largest = (autoscale_max[1],) * autoscale_max[0] if autoscale_max else None
@@ -154,39 +65,69 @@ class JobManager:
         self._version = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def submit(self, spec_json: str, overrides: list[str]) -> str:
+    def submit(self, spec_json: str, overrides: list[str],
+               caller: Identity = ANONYMOUS) -> str:
         if self.stopping.is_set():
             raise SubmitError("the server is shutting down", "unavailable")
-        spec = parse_submission(spec_json, overrides)
         try:
+            spec = parse_submission(spec_json, overrides,
+                                    None if self.roots is None else self.roots.check_raw)
             if self.roots is not None:
                 self.roots.check_spec(spec)
         except StorageRootError as err:
             raise SubmitError(str(err), "invalid") from None
+        check_priority(caller, spec.priority)
+        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        check_job_id(job_id)
         uri = spec.checkpoint.uri
         with self._lock:  # two spellings of one directory (or one inside the other) conflict
-            busy = [job for job, s in self._unfinished_specs()
-                    if overlapping(s.checkpoint.uri, uri)]
+            busy = self.claims.holders(uri, self._unfinished)
             if busy:
                 raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
                                   f"job {busy[0]}; give each job a checkpoint.uri of its own",
                                   "conflict")
+            check_queue(self.limits, caller, [e.owner for e in self.dispatcher.queue.values()])
             refused = self.dispatcher.refusal(spec)
             if refused is not None:
                 raise SubmitError(f"refused: {refused}", "invalid")
-            job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
-            record = self.store.add_job(job_id, spec.name, spec_json_of(spec), spec.checkpoint.uri)
-            self.dispatcher.enqueue(job_id, spec, record.created_at)
+            record = self.store.add_job(job_id, spec.name, spec_json_of(spec),
+                                        spec.checkpoint.uri, owner=caller.name)
+            self.claims.claim(job_id, uri)
+            self.dispatcher.enqueue(job_id, spec, record.created_at, owner=caller.name)
             self.dispatcher.tick()  # starts it now if it fits, else stores it as QUEUED
             self.dispatcher.start()
-        logger.info("job %s submitted (priority %d, %d steps, checkpoints at %s)", job_id,
-                    spec.priority, spec.train.steps, spec.checkpoint.uri)
+        logger.info("job %s submitted by %s (priority %d, %d steps, checkpoints at %s)", job_id,
+                    caller.name, spec.priority, spec.train.steps, spec.checkpoint.uri)
         return job_id
 
-    def _unfinished_specs(self) -> list[tuple[str, JobSpec]]:
-        """(job id, spec) of every admitted job still running and every queued one."""
-        out = [(r.job_id, r.spec) for r in self.runners.values() if r.alive]
-        return out + [(e.job_id, e.spec) for e in self.dispatcher.queue.values()]
+    def _unfinished(self, job_id: str) -> bool:
+        """An admitted job still running, or a queued one (call with the lock held)."""
+        runner = self.runners.get(job_id)
+        return (runner is not None and runner.alive) or job_id in self.dispatcher.queue
+
+    def housekeeping(self, force: bool = False) -> list[str]:
+        """Forget finished jobs beyond --keep-finished (at most every HOUSEKEEPING_S unless
+        `force`); returns their ids."""
+        import time
+
+        keep = self.limits.keep_finished
+        if keep is None or (not force and time.monotonic() - self._kept_at < HOUSEKEEPING_S):
+            return []
+        self._kept_at = time.monotonic()
+        try:
+            gone = self.store.prune_finished(keep)
+        except StoreError as err:
+            logger.error("finished jobs not pruned: %s", err)
+            return []
+        with self._lock:
+            for job_id in gone:
+                self.runners.pop(job_id, None)
+                self.dispatcher.queued_s.pop(job_id, None)
+                self.claims.release(job_id)
+        if gone:
+            logger.info("forgot %d finished job(s) beyond --keep-finished %d (oldest %s)",
+                        len(gone), keep, gone[0])
+        return gone
 
     def active_runners(self) -> list[JobRunner]:
         return [r for r in self.runners.values() if r.alive and not r.requeue]
@@ -212,7 +153,8 @@ class JobManager:
         """A preempted job stopped at its checkpoint boundary: back in the queue, same place."""
         with self._lock:
             waited = self.dispatcher.queued_s.get(runner.job_id, 0.0)
-            self.dispatcher.enqueue(runner.job_id, runner.spec, runner.order, waited)
+            self.dispatcher.enqueue(runner.job_id, runner.spec, runner.order, waited,
+                                    owner=runner.owner)
         logger.info("job %s: preempted and requeued", runner.job_id)
 
     def resume_unfinished(self) -> list[str]:
@@ -230,8 +172,10 @@ class JobManager:
                     "reason": f"cannot resume: the stored spec is no longer valid: {err}"}))
                 continue
             with self._lock:
+                self.claims.claim(record.job_id, spec.checkpoint.uri)
                 self._resume(record, spec)
             resumed.append(record.job_id)
+        self.housekeeping(force=True)
         with self._lock:
             self.dispatcher.tick()
             self.dispatcher.start()
@@ -247,7 +191,7 @@ class JobManager:
                                                "continuing from the newest committed checkpoint")}))
         if queued:
             self.dispatcher.enqueue(record.job_id, spec, record.created_at,
-                                    float(record.status.get("queued_s") or 0.0))
+                                    float(record.status.get("queued_s") or 0.0), record.owner)
             entry = self.dispatcher.queue[record.job_id]
             entry.announced = record.state == "QUEUED"
             logger.info("job %s back in the queue", record.job_id)
@@ -269,6 +213,7 @@ class JobManager:
         baseline = record.status if record else {}
         order = record.created_at if record else 0.0
         runner = JobRunner(self, job_id, spec, baseline, allotted, order)
+        runner.owner = record.owner if record else ""
         target = baseline.get("target_nodes") or spec.resources.nodes
         if target != spec.resources.nodes:
             try:

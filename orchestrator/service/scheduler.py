@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tenax.orchestrator.placement.capacity import RayNodesTimeout, ray_nodes
 from tenax.orchestrator.service.scheduling_policy import (Cluster, JobView, SchedulingAction,
                                                           SchedulingDecision, SchedulingSnapshot,
                                                           decide, never_fits)
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 A = SchedulingAction
 TICK_S = 1.0
+NODES_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -47,15 +49,23 @@ class QueueEntry:
     position: int = 0
     waiting_for: str = ""
     announced: bool = False  # the `queued` event and QUEUED state are stored
+    owner: str = ""  # who submitted it: the queue caps count per owner
 
 
 def cluster_now(largest: tuple[int, ...] | None = None) -> Cluster | None:
-    """GPU slots of the alive Ray nodes; None when not connected to Ray."""
+    """GPU slots of the alive Ray nodes; None when not connected to Ray, or when Ray did not
+    list its nodes within NODES_TIMEOUT_S (this runs under the scheduler's lock: a hung GCS
+    must not hold every submission; the pass is skipped and the next one retries)."""
     import ray
 
     if not ray.is_initialized():
         return None
-    gpus = tuple(int(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive"))
+    try:
+        nodes = ray_nodes(NODES_TIMEOUT_S)
+    except RayNodesTimeout as err:
+        logger.warning("scheduler pass skipped: %s", err)
+        return None
+    gpus = tuple(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive"))
     return Cluster(tuple(g for g in gpus if g > 0), largest)
 
 
@@ -79,9 +89,10 @@ class Dispatcher:
         self.thread: threading.Thread | None = None
 
     # ---- queue -----------------------------------------------------------------------------
-    def enqueue(self, job_id: str, spec: "JobSpec", order: float, waited_s: float = 0.0) -> None:
+    def enqueue(self, job_id: str, spec: "JobSpec", order: float, waited_s: float = 0.0,
+                owner: str = "") -> None:
         with self.lock:
-            self.queue[job_id] = QueueEntry(job_id, spec, order, waited_s=waited_s)
+            self.queue[job_id] = QueueEntry(job_id, spec, order, waited_s=waited_s, owner=owner)
 
     def drop(self, job_id: str) -> QueueEntry | None:
         with self.lock:
@@ -105,6 +116,7 @@ class Dispatcher:
         while not self.manager.stopping.is_set():
             try:
                 self.tick()
+                self.manager.housekeeping()  # rate-limited: finished records past the cap
             except Exception:  # a bug in one pass must not stop scheduling
                 logger.exception("scheduler pass failed")
             self.wake.wait(TICK_S)

@@ -2,8 +2,9 @@
 
 Why a service: a pretraining job runs for weeks, longer than any terminal. The server owns the
 jobs; `tenax submit/status/watch/scale/cancel` are thin clients. What makes it durable:
-- every event is appended to the job store (orchestrator/service/store.py) before watchers see it, so
-  the store is the single source of truth for WatchJob (history replay, then live events);
+- every event is appended to the job store (orchestrator/service/store.py) before watchers
+  see it, so the store is the single source of truth for WatchJob (history replay, then
+  live events);
 - on start, every job whose stored state is not terminal gets a new Controller with the same
   job id and spec; its ranks resume from the newest committed checkpoint under checkpoint.uri,
   so a killed service (even SIGKILL) loses at most the steps since that checkpoint;
@@ -13,12 +14,16 @@ jobs; `tenax submit/status/watch/scale/cancel` are thin clients. What makes it d
 Errors map to gRPC codes: a bad spec or argument -> INVALID_ARGUMENT (details name the field
 path, e.g. `parallel.tp: 3 does not divide model.n_heads=8`), unknown job -> NOT_FOUND,
 cancel/scale of a finished job or a checkpoint URI in use -> FAILED_PRECONDITION, too many
-watchers -> RESOURCE_EXHAUSTED, shutting down -> UNAVAILABLE.
+watchers or queued jobs -> RESOURCE_EXHAUSTED, a priority above the token's maximum ->
+PERMISSION_DENIED, shutting down -> UNAVAILABLE. ListJobs answers in pages
+(orchestrator/service/limits.py), so no listing outgrows one reply.
 
-Auth (`--token-file`, orchestrator/service/auth.py): every call needs `authorization: Bearer <token>`
-metadata except `grpc.health.v1.Health` (probes cannot send metadata); reflection is behind the
-token like the API. One state dir serves one server at a time (an flock on `<state-dir>/lock`):
-two servers would resume the same jobs twice.
+Auth (`--token-file`, orchestrator/service/auth.py): every call needs
+`authorization: Bearer <token>` metadata except `grpc.health.v1.Health` (probes cannot send
+metadata); reflection is behind the token like the API. A token file line may name the
+token's identity and its highest priority (`token name max_priority`). One state dir serves
+one server at a time (an flock on `<state-dir>/lock`): two servers would resume the same jobs
+twice.
 
 Each WatchJob stream holds a worker thread, so watchers are capped (MAX_WATCHERS) below the
 pool size and unary calls always find a thread.
@@ -28,7 +33,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -40,8 +44,13 @@ from grpc_reflection.v1alpha import reflection
 
 from tenax.checkpoint import CatalogError, StorageError
 from tenax.orchestrator.errors import RpcAbort, StorageRootError, StoreError, SubmitError
-from tenax.orchestrator.service.auth import TokenAuth, check_exposure
+from tenax.orchestrator.service.auth import TokenAuth, caller_of, check_exposure
 from tenax.orchestrator.service.jobs import JobManager, connect_ray
+from tenax.orchestrator.service.lifecycle import (on_signals, print_ready, restore_signals,
+                                                  shutdown_all)
+from tenax.orchestrator.service.limits import (MAX_JOB_ID, Identity, ServiceLimits,
+                                               decode_page_token, encode_page_token, fill_page,
+                                               page_size)
 from tenax.orchestrator.service.storage_roots import StorageRoots
 from tenax.orchestrator.service.store import JobRecord, JobStore
 from tenax.orchestrator.service.wire import event_message, job_message, set_layout, state_name
@@ -63,6 +72,8 @@ KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 1
 
 _SUBMIT_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
                  "conflict": grpc.StatusCode.FAILED_PRECONDITION,
+                 "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "denied": grpc.StatusCode.PERMISSION_DENIED,
                  "unavailable": grpc.StatusCode.UNAVAILABLE}
 
 
@@ -103,14 +114,15 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _job_id(value: str) -> str:
-    if not value or len(value) > 200:
-        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: required (1..200 characters)")
+    if not value or len(value) > MAX_JOB_ID:
+        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"job_id: required (1..{MAX_JOB_ID} characters)")
     return value
 
 
 class JobServicer(pb_grpc.JobServiceServicer):
-    def __init__(self, manager: JobManager) -> None:
-        self.manager, self.store = manager, manager.store
+    def __init__(self, manager: JobManager, auth: TokenAuth | None = None) -> None:
+        self.manager, self.store, self.auth = manager, manager.store, auth
         self._watchers = threading.BoundedSemaphore(MAX_WATCHERS)
 
     def _record(self, job_id: str) -> JobRecord:
@@ -134,7 +146,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @_rpc
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.Job:
-        job_id = self.manager.submit(request.spec_json, list(request.overrides))
+        caller = caller_of(self.auth, context.invocation_metadata())
+        job_id = self.manager.submit(request.spec_json, list(request.overrides), caller)
         return self._message(job_id)
 
     @_rpc
@@ -148,13 +161,28 @@ class JobServicer(pb_grpc.JobServiceServicer):
             states = tuple(state_name(s) for s in request.states)
         except ValueError as err:
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"states: {err}") from None
-        if request.limit < 0:
-            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"limit: {request.limit} is negative")
-        jobs = []
-        for record in self.store.list_jobs(states, request.limit):
-            status, target = self.manager.live_status(record)
-            jobs.append(job_message(record, status, target))
-        return pb.ListJobsResponse(jobs=jobs)
+        for name in ("limit", "page_size"):
+            if getattr(request, name) < 0:
+                raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{name}: {getattr(request, name)} is negative")
+        try:
+            after = decode_page_token(request.page_token)
+        except ValueError as err:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        size = page_size(request.page_size, request.limit)
+        records = self.store.list_jobs(states, size + 1, after)
+        jobs, more = fill_page(records[:size], self._listed, lambda m: m.ByteSize())
+        reply = pb.ListJobsResponse(jobs=jobs)
+        # a bare `limit` asks for that many jobs in all, so its last page has no token
+        if (more or len(records) > size) and not (request.limit and not request.page_size and
+                                                  len(jobs) == request.limit):
+            last = records[len(jobs) - 1]
+            reply.next_page_token = encode_page_token(last.created_at, last.job_id)
+        return reply
+
+    def _listed(self, record: JobRecord) -> pb.Job:
+        status, target = self.manager.live_status(record)
+        return job_message(record, status, target)
 
     @_rpc
     def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.Job:
@@ -226,7 +254,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 50051
-    tokens: list[str] | None = None
+    tokens: list[str] | dict[str, Identity] | None = None  # dict: token -> who (--token-file)
     tls_cert: str | None = None
     tls_key: str | None = None
 
@@ -236,11 +264,12 @@ class JobServer:
 
     def __init__(self, manager: JobManager, options: ServerOptions) -> None:
         self.manager, self.options = manager, options
-        interceptors = [TokenAuth(options.tokens)] if options.tokens else []
+        auth = TokenAuth(options.tokens) if options.tokens else None
+        interceptors = [auth] if auth else []
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_WORKERS, "tenax-rpc"),
                                   interceptors=interceptors, options=KEEPALIVE,
                                   maximum_concurrent_rpcs=MAX_WORKERS)
-        pb_grpc.add_JobServiceServicer_to_server(JobServicer(manager), self.server)
+        pb_grpc.add_JobServiceServicer_to_server(JobServicer(manager, auth), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -289,7 +318,7 @@ class ServeConfig:
     port: int = 50051
     metrics_port: int | None = 9400  # None: no exporter; 0: any free port
     address: str | None = None  # Ray cluster; None: embedded local Ray on 127.0.0.1
-    tokens: list[str] | None = None
+    tokens: list[str] | dict[str, Identity] | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     gpus: int | None = None  # embedded Ray only: GPU slots (default: GPUs, else CPU count)
@@ -298,7 +327,7 @@ class ServeConfig:
     insecure: bool = False  # allow a non-loopback host without tokens
     metrics_host: str = "127.0.0.1"
     autoscale_max: tuple[int, int] | None = None  # (nodes, GPUs each) the cluster may grow to
-
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
 
 
 def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
@@ -309,8 +338,6 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
     it half-way (which would leave controller threads calling into a Ray that is gone);
     shutdown is bounded (about grace + DETACH_TIMEOUT_S). SIGKILL is the hard stop.
     """
-    import ray
-
     from tenax.orchestrator.job.metrics import MetricsServer
 
     check_exposure(config.host, bool(config.tokens), config.insecure)
@@ -320,16 +347,16 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
     metrics, server, previous = None, None, None
     try:
         connect_ray(config.address, config.gpus, config.cpus)
-        previous = _on_signals(stop)  # after ray.init, which installs a SIGTERM handler of its own
+        previous = on_signals(stop)  # after ray.init, which installs a SIGTERM handler of its own
         if config.metrics_port is not None:
             metrics = MetricsServer(config.metrics_port, config.metrics_host)
         manager = JobManager(store, metrics.collector if metrics else None, roots,
-                             config.autoscale_max)
+                             config.autoscale_max, config.limits)
         server = JobServer(manager, ServerOptions(config.host, config.port, config.tokens,
                                                   config.tls_cert, config.tls_key))
         resumed = manager.resume_unfinished()  # after binding: a busy port starts no job
         server.start()
-        (ready or _print_ready)(
+        (ready or print_ready)(
             f"tenax serve: listening on {config.host}:{server.port}; metrics "
             f"{f'on http://{config.metrics_host}:{metrics.port}/metrics' if metrics else 'off'}; "
             f"state dir {store.path.parent}; resumed {len(resumed)} job(s)")
@@ -337,45 +364,6 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
             pass
         logger.info("shutting down: jobs stay resumable from their committed checkpoints")
     finally:
-        _shutdown(server, metrics, store)
-        _restore_signals(previous)
+        shutdown_all(server, metrics, store)
+        restore_signals(previous)
     return 0
-
-
-def _shutdown(server: JobServer | None, metrics: Any, store: JobStore) -> None:
-    """Every step runs even if an earlier one fails: Ray must not outlive the server."""
-    import ray
-
-    steps = [("grpc", server.stop if server else None),
-             ("metrics", metrics.close if metrics else None),
-             ("ray", ray.shutdown if ray.is_initialized() else None),  # embedded: stops it
-             ("store", store.close)]
-    for name, step in steps:
-        try:
-            if step is not None:
-                step()
-        except Exception:
-            logger.exception("shutdown: %s failed", name)
-
-
-def _print_ready(line: str) -> None:
-    print(line, flush=True)
-
-
-def _on_signals(stop: threading.Event) -> dict[int, Any] | None:
-    """SIGTERM/SIGINT set `stop`; returns the previous handlers (None off the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None  # tests run the server in a thread and stop it with `stop`
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            logger.warning("already shutting down (signal %d ignored); SIGKILL stops at once",
-                           signum)
-        stop.set()
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-
-def _restore_signals(previous: dict[int, Any] | None) -> None:
-    for sig, old in (previous or {}).items():
-        signal.signal(sig, old)

@@ -108,7 +108,39 @@ class StorageRoots:
         return canon
 
     def check_spec(self, spec: Any) -> None:
-        """Every URI of a job spec: checkpoint.uri, and data.source unless synthetic."""
+        """Every URI of a job spec: checkpoint.uri, every data file, the HF weights it starts
+        from and the TensorBoard directory it writes."""
         self.check(spec.checkpoint.uri, "checkpoint.uri")
-        if spec.data.source != "synthetic":
-            self.check(spec.data.source, "data.source")
+        for field, uri in spec.data.uris():  # data.source/sources, tokenizer, validation
+            self.check(uri, field)
+        if spec.model.init_from:
+            self.check(spec.model.init_from, "model.init_from")
+        if spec.logging.tensorboard_dir:
+            self.check(spec.logging.tensorboard_dir, "logging.tensorboard_dir")
+
+    def check_raw(self, raw: dict[str, Any]) -> None:
+        """The file URIs of a spec before it is validated: validation itself reads some of them
+        (the tokenizer for `vocab_size: auto`, `init_from`'s config.json), so a URI outside the
+        roots must be refused before the server opens it on the submitter's behalf."""
+        for field, uri in raw_file_uris(raw):
+            self.check(uri, field)
+
+
+def raw_file_uris(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, URI) of the keys a spec's validation opens; values that are not strings are
+    left to the spec's own type errors."""
+    def get(*path: str | int) -> Any:
+        node: Any = raw
+        for part in path:
+            if isinstance(part, int):
+                node = node[part] if isinstance(node, list) and part < len(node) else None
+            else:
+                node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    fields: list[tuple[str, Any]] = [("data.tokenizer", get("data", "tokenizer")),
+                                     ("model.init_from", get("model", "init_from"))]
+    sources = get("data", "sources")
+    for i in range(len(sources) if isinstance(sources, list) else 0):
+        fields.append((f"data.sources[{i}].uri", get("data", "sources", i, "uri")))
+    return [(f, v) for f, v in fields if isinstance(v, str) and v and v != "synthetic"]

@@ -40,7 +40,7 @@ STEP_EVERY, STEP_TAIL = 50, 200
 CANCEL_REQUESTED = "cancel_requested"  # event kind of a persisted CancelJob
 BUSY_TIMEOUT_S = 10.0
 _JOB_COLS = ("job_id, name, spec_json, state, cause, checkpoint_uri, status_json, created_at, "
-             "updated_at")
+             "updated_at, owner")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     checkpoint_uri TEXT NOT NULL,
     status_json TEXT NOT NULL DEFAULT '{}',
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS events (
     job_id TEXT NOT NULL REFERENCES jobs(job_id),
@@ -77,6 +78,7 @@ class JobRecord:
     status: dict[str, Any]
     created_at: float
     updated_at: float
+    owner: str = ""  # the submitting token's name (--token-file)
 
     @property
     def terminal(self) -> bool:
@@ -113,6 +115,7 @@ class JobStore:
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            _add_owner_column(self._db)
         except (OSError, sqlite3.Error) as err:
             if self._owner is not None:
                 self._owner.close()
@@ -134,13 +137,13 @@ class JobStore:
 
     # ---- jobs ------------------------------------------------------------------------------
     def add_job(self, job_id: str, name: str, spec_json: str, checkpoint_uri: str,
-                state: str = "PENDING") -> JobRecord:
+                state: str = "PENDING", owner: str = "") -> JobRecord:
         now = time.time()
         with self._lock, self._write():
             self._db.execute(
                 "INSERT INTO jobs (job_id, name, spec_json, state, checkpoint_uri, created_at, "
-                "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, name, spec_json, state, checkpoint_uri, now, now))
+                "updated_at, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, name, spec_json, state, checkpoint_uri, now, now, owner))
             self._next_seq[job_id] = 1
         return self.get_job(job_id)
 
@@ -150,11 +153,19 @@ class JobStore:
                                    (job_id,)).fetchone()
         return _job(row) if row else None
 
-    def list_jobs(self, states: tuple[str, ...] = (), limit: int = 0) -> list[JobRecord]:
-        sql, args = f"SELECT {_JOB_COLS} FROM jobs", []
+    def list_jobs(self, states: tuple[str, ...] = (), limit: int = 0,
+                  after: tuple[float, str] | None = None) -> list[JobRecord]:
+        """Newest first (created_at DESC, then job_id); `after`: the (created_at, job_id) of
+        the last job of the previous page."""
+        sql, where, args = f"SELECT {_JOB_COLS} FROM jobs", [], []
         if states:
-            sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
+            where.append(f"state IN ({', '.join('?' for _ in states)})")
             args += list(states)
+        if after is not None:
+            where.append("(created_at < ? OR (created_at = ? AND job_id > ?))")
+            args += [after[0], after[0], after[1]]
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, job_id"
         if limit > 0:
             sql += " LIMIT ?"
@@ -162,6 +173,23 @@ class JobStore:
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
         return [_job(r) for r in rows]
+
+    def prune_finished(self, keep: int) -> list[str]:
+        """Forget finished jobs (record and events) beyond the `keep` most recently updated;
+        returns their ids, oldest first. Unfinished jobs are never touched."""
+        marks = ", ".join("?" for _ in TERMINAL)
+        with self._lock, self._write():
+            rows = self._db.execute(
+                f"SELECT job_id FROM jobs WHERE state IN ({marks}) "
+                f"ORDER BY updated_at DESC, job_id LIMIT -1 OFFSET ?",
+                (*TERMINAL, max(0, keep))).fetchall()
+            gone = [r[0] for r in rows][::-1]
+            for job_id in gone:
+                self._db.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+                self._next_seq.pop(job_id, None)
+                self._steps_since_prune.pop(job_id, None)
+        return gone
 
     def unfinished(self) -> list[JobRecord]:
         """Jobs a restarted service must resume, oldest first (they were submitted first)."""
@@ -324,10 +352,18 @@ def _own_state_dir(state_dir: Path) -> Any:
     return handle
 
 
+def _add_owner_column(db: sqlite3.Connection) -> None:
+    """A store written before jobs had owners gets the column (its jobs: owner '')."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    if "owner" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+
+
 def _job(row: tuple[Any, ...]) -> JobRecord:
-    job_id, name, spec_json, state, cause, uri, status_json, created, updated = row
+    job_id, name, spec_json, state, cause, uri, status_json, created, updated, owner = row
     try:
         status = json.loads(status_json or "{}")
     except ValueError:
         status = {}
-    return JobRecord(job_id, name, spec_json, state, cause, uri, status, created, updated)
+    return JobRecord(job_id, name, spec_json, state, cause, uri, status, created, updated,
+                     owner)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import tempfile
+from typing import Any, Callable
 
 import yaml
 
@@ -49,8 +50,12 @@ def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> None
     logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s)", slots, tmp)
 
 
-def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
+def parse_submission(spec_json: str, overrides: list[str],
+                     check_raw: Callable[[dict[str, Any]], None] | None = None) -> JobSpec:
     """JSON text (+ `KEY=VALUE` overrides) -> JobSpec; SpecError naming the field otherwise.
+
+    `check_raw` sees the spec after the overrides and before validation, which may open files
+    the spec names (the tokenizer, `init_from`): the storage-root check goes there.
 
     JSON only on the wire (DESIGN.md pins it): YAML aliases would let one request expand into
     gigabytes. The CLI converts a YAML file to JSON before sending it.
@@ -75,6 +80,8 @@ def parse_submission(spec_json: str, overrides: list[str]) -> JobSpec:
     except (yaml.YAMLError, ValueError, TypeError, RecursionError, ArithmeticError) as err:
         # a value is parsed as YAML (typed by its field): unterminated lists and the like
         raise SpecError(f"overrides: {type(err).__name__}: {err}") from None
+    if check_raw is not None:
+        check_raw(raw)
     try:
         return spec_from_dict(raw)
     except RecursionError:

@@ -1,0 +1,81 @@
+"""`tenax data prepare` and `tenax data inspect`: corpora in, Megatron indexed datasets out.
+
+`prepare` tokenizes text (.txt, .jsonl, .jsonl.gz, .parquet) into `OUT.bin` + `OUT.idx`;
+`inspect` prints what a dataset holds and its first tokens, decoded when given the tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+INSPECT_TOKENS = 32
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from tenax.workers.data import prepare_dataset
+
+    stats = prepare_dataset(args.inputs, args.out, tokenizer=args.tokenizer,
+                            text_field=args.text_field, workers=args.workers,
+                            progress=not args.json)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    return 0
+
+
+def inspect_doc(uri: str, tokenizer: str | None, count: int) -> dict[str, Any]:
+    from tenax.workers.data import IndexedDataset, load_tokenizer
+
+    data = IndexedDataset(uri)
+    first = data.read_tokens(0, min(count, data.num_tokens)).tolist()
+    doc: dict[str, Any] = {
+        "prefix": data.prefix, "documents": data.num_docs, "sequences": data.num_sequences,
+        "tokens": data.num_tokens, "dtype": data.dtype.name,
+        "max_document_tokens": int(data.sequence_lengths.max()) if data.num_sequences else 0,
+        "first_tokens": first}
+    if tokenizer:
+        doc["first_text"] = load_tokenizer(tokenizer).decode(first)
+    return doc
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    doc = inspect_doc(args.uri, args.tokenizer, args.count)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{doc['prefix']}: {doc['documents']:,} documents, {doc['tokens']:,} tokens, "
+          f"dtype {doc['dtype']} ({doc['sequences']:,} sequences, longest "
+          f"{doc['max_document_tokens']:,} tokens)")
+    print(f"first {len(doc['first_tokens'])} tokens: {doc['first_tokens']}")
+    if "first_text" in doc:
+        print(f"decoded: {doc['first_text']!r}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="training data tools").add_subparsers(dest="what",
+                                                                              required=True)
+    p = data.add_parser("prepare", help="tokenize text into a Megatron indexed dataset")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help=".txt, .jsonl, .jsonl.gz or .parquet files (paths, fsspec URIs, globs)")
+    p.add_argument("--out", required=True,
+                   help="output prefix URI: writes OUT.bin and OUT.idx")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json, SentencePiece .model or tiktoken BPE file "
+                        "(default: UTF-8 bytes, EOS 256)")
+    p.add_argument("--text-field", default="text",
+                   help="jsonl field / parquet column holding the text (default: text)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes (default: all CPUs)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_data_prepare)
+    p = data.add_parser("inspect", help="what an indexed dataset holds, and its first tokens")
+    p.add_argument("uri", help="dataset prefix (URI.bin + URI.idx)")
+    p.add_argument("--tokenizer", default=None, help="decode the first tokens with this file")
+    p.add_argument("--count", type=int, default=INSPECT_TOKENS,
+                   help=f"how many tokens to show (default {INSPECT_TOKENS})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_data_inspect)

@@ -1,0 +1,23 @@
+"""tenax.orchestrator.preflight — a smoke test of a job before a long run (docs/preflight.md).
+
+- `run_preflight(spec, steps)`: the job itself for a few steps on its own placement and layout,
+  on scratch checkpoints removed afterwards; a `Report` of `Row`s (data, memory, progress,
+  throughput, recovery), each pass | warn | fail, and the `preflight` event.
+- The rows' rules (pure): `data_row`, `memory_plan_row`, `memory_row`, `progress_row`,
+  `throughput_row`, `recovery_row`, `overall`.
+
+Names resolve lazily (PEP 562): importing this package imports neither Ray nor torch.
+"""
+from __future__ import annotations
+
+from tenax.faces import lazy_face
+
+_MODULES = {
+    "smoke": ("DEFAULT_STEPS", "PreflightInterrupted", "Report", "preflight_steps",
+              "run_preflight", "scratch_spec"),
+    "rows": ("Row", "memory_plan_row", "memory_row", "overall", "progress_row", "recovery_row",
+             "throughput_row"),
+    "data": ("data_row", "scan_token_file"),
+}
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -1,0 +1,142 @@
+"""The preflight's rows: what one check measured, what it expected, and its verdict.
+
+Each check is a pure function of what was measured (the scratch job's records, the planner's
+estimate, the data it read), so the verdict rules can be tested without starting a job.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+VERDICTS = ("pass", "warn", "fail")
+# Memory: a measured peak above this share of the budget leaves too little headroom for a long
+# run (fragmentation, a bigger validation batch, a checkpoint's staging buffers).
+MEMORY_WARN_SHARE = 0.9
+# On CUDA the allocator's peak is comparable to the planner's figure: more than this factor
+# above it means the planner (and so the layout choice) misjudges the job.
+CUDA_ESTIMATE_FACTOR = 1.25
+# Progress: a rank slower than this share of the median rank's throughput is a straggler.
+SLOW_RANK_SHARE = 0.5
+GIB = 2 ** 30
+
+
+@dataclass
+class Row:
+    """One check's result; `measured` and `expected` are short human strings."""
+    name: str
+    measured: str
+    expected: str
+    verdict: str  # pass | warn | fail
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict: {self.verdict!r} is not one of {', '.join(VERDICTS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def overall(rows: list[Row]) -> str:
+    """The worst verdict of the rows ("pass" for none)."""
+    worst = max((VERDICTS.index(r.verdict) for r in rows), default=0)
+    return VERDICTS[worst]
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.3g} GiB"
+
+
+def memory_plan_row(expected_bytes: float, budget_bytes: float, layout: str) -> Row:
+    """Before any rank starts: the planner's per-rank figure for the layout vs the budget."""
+    expected = f"<= {gib(budget_bytes)} per rank"
+    if expected_bytes > budget_bytes:
+        return Row("memory", f"planner {gib(expected_bytes)} per rank", expected, "fail",
+                   f"{layout}: the planner's per-rank memory exceeds the per-rank budget; "
+                   f"the job was not started")
+    return Row("memory", f"planner {gib(expected_bytes)} per rank", expected, "pass", layout)
+
+
+def memory_row(peaks: dict[int, int], expected_bytes: float, budget_bytes: float,
+               cuda: bool, layout: str) -> Row:
+    """After the smoke steps: every rank's peak vs the budget and (CUDA) the planner's figure.
+
+    On CPU the peak is the process's resident set (interpreter, torch and the data included),
+    so only the budget judges it; the planner's figure is shown for reference."""
+    what = "peak allocated" if cuda else "peak RSS"
+    expected = f"planner {gib(expected_bytes)}, budget {gib(budget_bytes)}"
+    if not peaks:
+        return Row("memory", "no step records", expected, "fail", "no rank reported a step")
+    rank, peak = max(peaks.items(), key=lambda kv: kv[1])
+    measured = f"{what} {gib(peak)} (rank {rank}, max of {len(peaks)})"
+    if peak > budget_bytes:
+        return Row("memory", measured, expected, "fail",
+                   f"{layout}: rank {rank} exceeds the per-rank budget")
+    if peak > MEMORY_WARN_SHARE * budget_bytes:
+        return Row("memory", measured, expected, "warn",
+                   f"{layout}: rank {rank} uses over {MEMORY_WARN_SHARE:.0%} of its budget")
+    if cuda and peak > CUDA_ESTIMATE_FACTOR * expected_bytes:
+        return Row("memory", measured, expected, "warn",
+                   f"{layout}: the planner underestimates rank {rank} by "
+                   f"{peak / max(expected_bytes, 1.0):.2f}x")
+    return Row("memory", measured, expected, "pass", layout)
+
+
+def loss_trend(losses: list[float]) -> tuple[float, float]:
+    """Mean loss of the first and of the last quarter of the steps (at least one step each)."""
+    q = max(1, len(losses) // 4)
+    return sum(losses[:q]) / q, sum(losses[-q:]) / q
+
+
+def progress_row(losses: list[float], steps: int, ended: str, cause: str) -> Row:
+    """N steps without a hang or failure, and the loss falling (first vs last quarter)."""
+    expected = f"{steps} steps, loss falling"
+    if ended != "SUCCEEDED" or len(losses) < steps:
+        return Row("progress", f"{len(losses)} of {steps} steps", expected, "fail",
+                   f"the job ended {ended}" + (f": {cause}" if cause else ""))
+    if not all(math.isfinite(x) for x in losses):
+        return Row("progress", f"{steps} steps", expected, "fail", "a loss is not finite")
+    first, last = loss_trend(losses)
+    measured = f"{steps} steps, loss {first:.4g} -> {last:.4g}"
+    if last >= first:
+        return Row("progress", measured, expected, "warn",
+                   "the loss did not fall (mean of the first vs the last quarter of the steps)")
+    return Row("progress", measured, expected, "pass", "")
+
+
+def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: float) -> Row:
+    """Per-rank throughput over the smoke steps; a rank far below the median warns."""
+    expected = f"planner {planner_tokens_per_s:.4g} tok/s (job)"
+    if not rank_tokens_per_s:
+        return Row("throughput", "no step records", expected, "fail", "no rank reported a step")
+    ordered = sorted(rank_tokens_per_s.values())
+    median = ordered[len(ordered) // 2]
+    slow = {r: v for r, v in rank_tokens_per_s.items() if v < SLOW_RANK_SHARE * median}
+    measured = (f"median {median:.4g} tok/s per rank (min {ordered[0]:.4g}, "
+                f"max {ordered[-1]:.4g})")
+    if slow:
+        return Row("throughput", measured, expected, "warn",
+                   "slow ranks: " + ", ".join(f"{r} ({v:.4g})" for r, v in sorted(slow.items())))
+    return Row("throughput", measured, expected, "pass", f"{len(ordered)} ranks")
+
+
+def recovery_row(saved_step: int, problems: list[str], resumed_from: int | None,
+                 loss_resumed: float | None, loss_reference: float | None) -> Row:
+    """A checkpoint saved, verified by the catalog, and loaded: the step after it, trained
+    from the loaded state, has the loss the uninterrupted job had (1e-5)."""
+    expected = f"step {saved_step} verified, resumed, same loss at step {saved_step + 1}"
+    if problems:
+        return Row("recovery", f"step {saved_step} damaged", expected, "fail", problems[0])
+    if resumed_from != saved_step or loss_resumed is None or loss_reference is None:
+        return Row("recovery", f"resumed from {resumed_from}", expected, "fail",
+                   f"the resumed job did not load step {saved_step} and train one step")
+    gap = abs(loss_resumed - loss_reference)
+    measured = f"loss {loss_resumed:.6g} vs {loss_reference:.6g} (|diff| {gap:.2g})"
+    if gap > 1e-5:
+        return Row("recovery", measured, expected, "fail",
+                   "the loaded state trains differently from the state it was saved from")
+    return Row("recovery", measured, expected, "pass", "")

@@ -1,0 +1,221 @@
+"""Running the job itself for a few steps, on scratch checkpoints, and reading what it did.
+
+`run_preflight(spec, steps)` (Ray must already run): the data row in this process; the
+planner's per-rank memory for the layout vs the budget, before any rank starts; then the job
+itself, on its own placement and layout, for `steps` steps with its checkpoints under
+`<checkpoint.uri>/preflight-<time>` (removed afterwards, so the real run starts at step 0 as
+if no preflight had run). The scratch job saves at steps-1 and steps; the catalog verifies
+steps-1, steps is deleted and the job runs again from steps-1: step `steps` must repeat its
+loss. The scratch jobs' own events stay here; only the `preflight` event is published.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+from tenax.orchestrator.preflight.data import data_row
+from tenax.orchestrator.preflight.rows import (Row, memory_plan_row, memory_row, overall,
+                                               progress_row, recovery_row, throughput_row)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 20  # without --steps and without spec.preflight
+Guard = Callable[[Any], ContextManager[None]]  # wraps a scratch Controller's run
+
+
+class PreflightInterrupted(Exception):
+    """Ctrl-C (or the caller's stop) ended a scratch job: no verdict, and no run after it."""
+
+
+@dataclass
+class Report:
+    """The rows and the verdict of one preflight."""
+    rows: list[Row]
+    scratch_uri: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return overall(self.rows)
+
+    def failing(self) -> list[Row]:
+        return [r for r in self.rows if r.verdict == "fail"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": [r.to_dict() for r in self.rows], "verdict": self.verdict}
+
+
+@dataclass
+class Watch:
+    """What one scratch job did: rank 0's losses by step, and per rank its peak memory and
+    its throughput samples (every rank's step records, from the controller's polls)."""
+    losses: dict[int, float] = field(default_factory=dict)
+    peaks: dict[int, int] = field(default_factory=dict)
+    throughput: dict[int, list[float]] = field(default_factory=dict)
+    resumed_from: int | None = None
+    cuda: bool = False
+
+    def observe(self, _: Any, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            rank = int(r.get("rank", 0))
+            if r.get("event") == "started" and rank == 0:
+                self.resumed_from = r.get("resumed_from")
+            if r.get("event") != "step" or r.get("loss") is None:
+                continue
+            if rank == 0:
+                self.losses[int(r["step"])] = float(r["loss"])
+            self.cuda = self.cuda or "peak_allocated_bytes" in r
+            peak = int(r.get("peak_allocated_bytes", r.get("max_rss_bytes", 0)))
+            self.peaks[rank] = max(self.peaks.get(rank, 0), peak)
+            self.throughput.setdefault(rank, []).append(float(r.get("rank_tokens_per_s", 0.0)))
+
+    def rank_tokens_per_s(self) -> dict[int, float]:
+        """Mean per rank, the first step left out when there are more (start-up, warm-up)."""
+        return {rank: sum(v[1:] or v) / len(v[1:] or v) for rank, v in self.throughput.items()}
+
+
+def preflight_steps(spec: Any, steps: int | None) -> int:
+    """--steps, else spec.preflight.steps, else DEFAULT_STEPS."""
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"--steps: must be at least 1, got {steps}")
+        return steps
+    return spec.preflight.steps if spec.preflight is not None else DEFAULT_STEPS
+
+
+def scratch_spec(spec: Any, steps: int, uri: str) -> Any:
+    """The job as it will run, for `steps` steps on scratch checkpoints saved at steps-1 and
+    steps, without the run's experiment tracking."""
+    from tenax.orchestrator.spec import spec_from_dict
+
+    raw = spec.to_dict()
+    raw["train"]["steps"] = steps
+    ckpt = raw["checkpoint"]
+    ckpt.update(uri=uri, every_steps=max(1, steps - 1), keep_last=max(2, ckpt["keep_last"]),
+                keep_every=0)
+    raw["logging"] = {"tensorboard_dir": None, "wandb": None}
+    raw["preflight"] = None
+    return spec_from_dict(raw)
+
+
+def run_preflight(spec: Any, steps: int | None = None,
+                  publish: Callable[[str, dict[str, Any]], None] | None = None,
+                  guard: Guard | None = None) -> Report:
+    """Smoke-test `spec` (see the module doc); `publish(kind, fields)` gets the event;
+    `guard(controller)` wraps each scratch job's run (e.g. SIGTERM handling)."""
+    n = preflight_steps(spec, steps)
+    report = Report([data_row(spec, n)])
+    estimate = _plan_rows(spec, report)
+    if not report.failing():
+        root = spec.checkpoint.uri.rstrip("/")
+        uri = f"{root}/preflight-{time.strftime('%Y%m%dT%H%M%S')}"
+        report.scratch_uri = uri
+        root_existed = exists(root)
+        try:
+            _run_rows(scratch_spec(spec, n, uri), n, estimate, report, guard)
+        finally:
+            remove_tree(uri)
+            if not root_existed:  # leave the job's root as the preflight found it
+                remove_tree(root, only_if_empty=True)
+    if publish is not None:
+        publish("preflight", report.to_dict())
+    return report
+
+
+def _plan_rows(spec: Any, report: Report) -> Any:
+    """The memory row before any rank starts; the planner's estimate (None if none fits)."""
+    from tenax.orchestrator.spec import plan_for_spec
+    from tenax.parallel import PlanError
+
+    r = spec.resources
+    try:
+        plan = plan_for_spec(spec, r.world_size, r.gpus_per_node, pin_zero=True)
+    except PlanError as err:
+        report.rows.append(Row("memory", "no layout fits", f"a layout of {r.world_size} ranks",
+                               "fail", str(err).splitlines()[0]))
+        return None
+    best = plan.best
+    report.rows.append(memory_plan_row(best.memory.total, best.budget_bytes,
+                                       plan.layout.describe()))
+    return best
+
+
+def _run_rows(spec: Any, steps: int, estimate: Any, report: Report,
+              guard: Guard | None) -> None:
+    """Progress, throughput and memory of the scratch job; then the recovery row."""
+    watch, controller = run_scratch(spec, guard)
+    report.rows.pop()  # the plan-time memory row: the measured one replaces it
+    losses = [watch.losses[s] for s in sorted(watch.losses)]
+    report.rows.append(memory_row(watch.peaks, estimate.memory.total, estimate.budget_bytes,
+                                  watch.cuda, layout_name(controller, estimate)))
+    report.rows.append(progress_row(losses, steps, controller.state.value, controller.cause))
+    report.rows.append(throughput_row(watch.rank_tokens_per_s(), estimate.tokens_per_s))
+    if steps < 2:
+        report.rows.append(Row("recovery", "not run", "--steps >= 2", "warn",
+                               "one step leaves no earlier checkpoint to resume from"))
+    elif controller.state.value == "SUCCEEDED":
+        report.rows.append(_recovery(spec, steps, watch.losses.get(steps), guard))
+    else:
+        report.rows.append(Row("recovery", "not run", f"step {steps - 1} resumed", "warn",
+                               "the smoke run did not finish (see progress)"))
+
+
+def layout_name(controller: Any, estimate: Any) -> str:
+    """The layout the job ran, saying so when the planner's figure is for another one (the
+    controller steps down to fewer GPUs when not all of them are there)."""
+    ran = controller.layout or estimate.layout
+    if ran.to_dict() != estimate.layout.to_dict():
+        return f"{ran.describe()} (the planner's figure is for {estimate.layout.describe()})"
+    return ran.describe()
+
+
+def run_scratch(spec: Any, guard: Guard | None = None) -> tuple[Watch, Any]:
+    """Run the scratch job to its end in this thread (its events are not relayed)."""
+    from tenax.orchestrator.job.controller import Controller, ControllerOptions
+
+    watch = Watch()
+    controller = Controller(spec, ControllerOptions())
+    controller.add_observer(watch.observe)
+    with guard(controller) if guard is not None else contextlib.nullcontext():
+        controller.run()
+    if controller.state.value == "CANCELLED":
+        why = controller.cause or "interrupted (Ctrl-C or SIGTERM)"
+        raise PreflightInterrupted(f"the preflight job was stopped: {why}")
+    logger.info("preflight job %s ended %s at step %d", controller.job_id,
+                controller.state.value, controller.step)
+    return watch, controller
+
+
+def _recovery(spec: Any, steps: int, reference: float | None, guard: Guard | None) -> Row:
+    """Verify step steps-1, delete step `steps`, resume from steps-1 and train step `steps`."""
+    from tenax.checkpoint import Catalog, Storage
+
+    saved = steps - 1
+    catalog = Catalog(Storage(spec.checkpoint.uri))
+    problems = catalog.verify(saved)
+    if problems:
+        return recovery_row(saved, problems, None, None, reference)
+    catalog.delete(steps)
+    watch, _ = run_scratch(spec, guard)
+    return recovery_row(saved, [], watch.resumed_from, watch.losses.get(steps), reference)
+
+
+def exists(uri: str) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    return bool(fs.exists(path))
+
+
+def remove_tree(uri: str, only_if_empty: bool = False) -> None:
+    """Delete the scratch checkpoints; a failure is logged (the run itself is unaffected)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        if fs.exists(path) and not (only_if_empty and fs.ls(path)):
+            fs.rm(path, recursive=True)
+    except OSError as err:
+        logger.warning("could not remove the preflight checkpoints at %s: %s", uri, err)

@@ -1,0 +1,404 @@
+"""What users plot: step records carry lr / grad_norm / tokens_per_s, rank 0 writes them to
+TensorBoard and W&B off the training thread, a redone step reads back once with its final
+value, and a broken backend never fails the job."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tenax.workers.trainer import lr_at
+from tenax.workers.tracking import (TensorBoardWriter, Tracker, scalars_of, tfrecord,
+                                    wandb_run_id)
+from tenax.workers.tracking.tracker import CLOSE_TIMEOUT_S, ERROR_CLOSE_S
+from tests.tracking_readers import tensorboard_scalars, tensorboard_texts, wandb_run
+
+SPEC = {"name": "demo", "train": {"steps": 3}}
+
+
+def f32(value: float) -> float:
+    """TensorBoard keeps scalars as float32."""
+    return float(np.float32(value))
+
+
+class Recorder:
+    """A backend that keeps what it is given; `gate` holds the writer thread inside `scalars`."""
+    name = "recorder"
+
+    def __init__(self, fail_on: str = "", gate: threading.Event | None = None) -> None:
+        self.fail_on, self.gate = fail_on, gate
+        self.calls: list[tuple[str, Any]] = []
+        self.entered = threading.Event()
+
+    def _call(self, method: str, *args: Any) -> None:
+        if method == self.fail_on:
+            raise OSError(f"{method} refused")
+        self.calls.append((method, args))
+
+    def open(self, first_step: int, spec: Any) -> None:
+        self._call("open", first_step)
+
+    def scalars(self, step: int, values: Any, wall_time: float) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(30)
+        self._call("scalars", step, dict(values))
+
+    def text(self, step: int, tag: str, text: str, wall_time: float) -> None:
+        self._call("text", step, tag)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        self._call("close")
+
+
+def step_record(step: int, loss: float) -> dict[str, Any]:
+    return {"event": "step", "step": step, "loss": loss, "lr": 0.1 * step,
+            "grad_norm": 2.0 * step, "tokens_per_s": 100.0, "step_s": 0.5, "rank": 0,
+            "layout": {"dp": 1}, "time": 1000.0 + step}
+
+
+def test_records_map_to_the_series_users_plot():
+    assert scalars_of(step_record(3, 1.5)) == {
+        "train/loss": 1.5, "train/lr": pytest.approx(0.3), "train/grad_norm": 6.0,
+        "train/tokens_per_s": 100.0, "train/step_s": 0.5}
+    assert scalars_of({"event": "eval", "step": 4, "loss": 2.0, "tokens": 300,
+                       "seconds": 1.5}) == {"eval/loss": 2.0, "eval/tokens_per_s": 200.0}
+    assert scalars_of({"event": "checkpoint", "step": 5, "blocked_s": 0.1, "total_s": 0.7}) == {
+        "checkpoint/blocked_s": 0.1, "checkpoint/save_s": 0.7}
+    assert scalars_of({"event": "started", "step": 0}) == {}
+
+
+def test_the_logging_section_of_the_spec():
+    from tenax.orchestrator.spec import SpecError, load_spec
+
+    spec = load_spec(overrides=["logging.tensorboard_dir=s3://bucket/runs/a",
+                                "logging.wandb={project: p, mode: offline}"])
+    assert spec.logging.tensorboard_dir == "s3://bucket/runs/a"
+    assert (spec.logging.wandb.project, spec.logging.wandb.mode) == ("p", "offline")
+    assert spec.logging.wandb.entity is None and spec.logging.wandb.name is None
+    assert load_spec().to_dict()["logging"] == {"tensorboard_dir": None, "wandb": None}
+    with pytest.raises(SpecError, match=r"logging\.wandb\.mode.*'sometimes'"):
+        load_spec(overrides=["logging.wandb={mode: sometimes}"])
+    with pytest.raises(SpecError, match=r"logging\.wandb\.dir"):
+        load_spec(overrides=["logging.wandb={dir: /tmp}"])
+
+
+def test_lr_and_grad_norm_are_prometheus_gauges():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tenax.orchestrator.job.metrics import TenaxCollector
+
+    collector = TenaxCollector()
+    job = collector.add_job("j1")
+    registry = CollectorRegistry()
+    registry.register(collector)
+    before = generate_latest(registry).decode()
+    assert 'tenax_job_lr{job="j1"} NaN' in before  # no step yet: no value, not a zero
+    job.on_event({**step_record(4, 2.0), "job": "j1"})
+    text = generate_latest(registry).decode()
+    assert 'tenax_job_lr{job="j1"} 0.4' in text
+    assert 'tenax_job_grad_norm{job="j1"} 8.0' in text
+    assert "# TYPE tenax_job_grad_norm gauge" in text
+
+
+def test_mfu_and_peak_memory_on_cuda(monkeypatch):
+    """The CUDA figures with the device calls stubbed (no GPU here): MFU against an
+    independent count of the model's FLOPs per token."""
+    import torch
+    import torch.distributed as dist
+
+    from tenax.orchestrator.spec import load_spec
+    from tenax.workers.tracking import device_figures
+
+    peaks = iter([1000, 2000])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    spec = load_spec()
+    trainer = SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
+    figures = device_figures(trainer)
+    m = spec.model
+    flops = 6 * m.num_params(active=True) + 12 * m.n_layers * m.dim * m.seq_len
+    out = figures(SimpleNamespace(tokens_per_s=1e6))
+    assert out["peak_allocated_bytes"] == 1000
+    assert out["mfu"] == pytest.approx(1e6 * flops / (4 * 989e12), rel=1e-5)
+    assert figures(SimpleNamespace(tokens_per_s=1e6))["peak_allocated_bytes"] == 2000
+    assert device_figures(SimpleNamespace(device=torch.device("cpu")))(None) == {}
+
+
+def test_wandb_run_id_is_the_job_id_or_the_name_and_checkpoint():
+    assert wandb_run_id("tiny-llama-1a2b3c4d", {}) == "tiny-llama-1a2b3c4d"
+    assert wandb_run_id("a/b c", {}) == "a-b-c"
+    long = wandb_run_id("x" * 100, {})
+    assert len(long) == 64 and long != wandb_run_id("x" * 99 + "y", {})
+    spec = {"name": "j", "checkpoint": {"uri": "file:///a"}}
+    assert wandb_run_id("", spec) == wandb_run_id("", dict(spec)) != wandb_run_id(
+        "", {"name": "j", "checkpoint": {"uri": "file:///b"}})
+
+
+def test_tracker_writes_in_order_and_closes():
+    backend = Recorder()
+    tracker = Tracker([backend], 0, SPEC)
+    for step in (1, 2, 3):
+        tracker.submit(step_record(step, 1.0 / step))
+    stats = tracker.close()
+    assert (stats.written, stats.dropped, stats.failed) == (3, 0, [])
+    assert backend.calls[0] == ("open", (0,)) and backend.calls[-1] == ("close", ())
+    assert [a[0] for m, a in backend.calls if m == "scalars"] == [1, 2, 3]
+
+
+def test_an_error_closes_the_tracker_without_waiting_long():
+    gate = threading.Event()
+    backend = Recorder(gate=gate)  # a writer stuck in a backend call
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="training failed"):
+        with Tracker([backend], 0, SPEC) as tracker:
+            tracker.submit(step_record(1, 1.0))
+            assert backend.entered.wait(30)
+            raise RuntimeError("training failed")
+    waited = time.monotonic() - started
+    assert ERROR_CLOSE_S <= waited < CLOSE_TIMEOUT_S / 2  # the error's short wait, not the end's
+    gate.set()
+
+
+def test_a_full_queue_drops_the_oldest_with_one_warning(caplog):
+    gate = threading.Event()
+    backend = Recorder(gate=gate)
+    tracker = Tracker([backend], 0, SPEC, capacity=3)
+    tracker.submit(step_record(1, 1.0))
+    assert backend.entered.wait(30)  # the writer holds step 1; the queue fills behind it
+    with caplog.at_level(logging.WARNING, logger="tenax.workers.tracking.tracker"):
+        for step in range(2, 8):
+            tracker.submit(step_record(step, 1.0))  # never blocks
+        gate.set()
+        stats = tracker.close()
+    assert stats.dropped == 3
+    assert [a[0] for m, a in backend.calls if m == "scalars"] == [1, 5, 6, 7]
+    falls_behind = [r for r in caplog.records if "falls behind" in r.getMessage()]
+    assert len(falls_behind) == 1
+
+
+@pytest.mark.parametrize("fail_on", ["open", "scalars", "flush"])
+def test_a_failing_backend_is_switched_off_once_and_others_go_on(fail_on, caplog):
+    broken, healthy = Recorder(fail_on=fail_on), Recorder()
+    with caplog.at_level(logging.WARNING, logger="tenax.workers.tracking.tracker"):
+        tracker = Tracker([broken, healthy], 0, SPEC)
+        for step in (1, 2, 3):
+            tracker.submit(step_record(step, 1.0))
+        stats = tracker.close()
+    assert stats.failed == ["recorder"]
+    assert [a[0] for m, a in healthy.calls if m == "scalars"] == [1, 2, 3]
+    assert len([r for r in caplog.records if "switched off" in r.getMessage()]) == 1
+
+
+def test_unwritable_tensorboard_dir_warns_once(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="tenax.workers.tracking.tracker"):
+        tracker = Tracker([TensorBoardWriter(str(blocker / "tb"))], 0, SPEC)
+        for step in (1, 2, 3):
+            tracker.submit(step_record(step, 1.0))
+        stats = tracker.close()
+    assert stats.failed == ["tensorboard"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "tensorboard switched off" in warnings[0]
+
+
+def write_attempt(logdir: Path, first_step: int, losses: dict[int, float]) -> None:
+    writer = TensorBoardWriter(str(logdir))
+    writer.open(first_step, SPEC)
+    for step, loss in sorted(losses.items()):
+        writer.scalars(step, {"train/loss": loss}, 1000.0 + step)
+    writer.close()
+
+
+def test_a_redone_step_reads_back_once_with_its_final_value(tmp_path):
+    logdir = tmp_path / "tb"
+    first = {s: 10.0 + s for s in range(1, 8)}  # died after step 7
+    second = {s: 20.0 + s for s in range(6, 11)}  # resumed from step 5: 6..10 again
+    write_attempt(logdir, 0, first)
+    write_attempt(logdir, 5, second)  # in the same second: names still sort by creation
+    assert len(list(logdir.iterdir())) == 2
+    want = {**first, **second}
+    assert tensorboard_scalars(logdir)["train/loss"] == [(s, f32(want[s])) for s in range(1, 11)]
+    texts = tensorboard_texts(logdir)
+    assert [step for step, _ in texts["spec"]] == [1]  # written once, by the fresh start
+    assert [step for step, _ in texts["attempts"]] == [1, 6]
+
+
+def test_tfrecord_framing_matches_tensorboards_reader(tmp_path):
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    class Sink:
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+        def flush(self) -> None:
+            pass
+
+    payload = Event(step=3, wall_time=1.5, file_version="brain.Event:2").SerializeToString()
+    sink = Sink()
+    RecordWriter(sink).write(payload)
+    assert tfrecord(payload) == sink.data
+
+
+def test_tensorboard_dir_may_be_an_fsspec_uri():
+    import fsspec
+
+    writer = TensorBoardWriter("memory://tenax-tracking-test/tb")
+    writer.open(0, SPEC)
+    writer.scalars(1, {"train/loss": 2.5}, 1001.0)
+    writer.close()
+    fs = fsspec.filesystem("memory")
+    names = fs.ls("/tenax-tracking-test/tb", detail=False)
+    assert len(names) == 1 and "tfevents" in names[0]
+    assert fs.cat(names[0])[:8] != b""  # the records are there; the local tests read them back
+    fs.rm("/tenax-tracking-test", recursive=True)
+
+
+def test_the_controllers_events_form_a_run_that_is_never_purged(tmp_path):
+    from tenax.workers.tracking import job_events
+
+    tb = tmp_path / "tb"
+    writer = job_events({"logging": {"tensorboard_dir": str(tb)}})
+    events = [{"event": "failure", "step": 12, "rank": 1, "cause": "SIGKILL", "time": 1.0},
+              {"event": "recovered", "step": 10, "lost_steps": 2, "seconds": 3.5, "time": 2.0},
+              {"event": "step", "step": 11, "loss": 1.0},  # rank 0's run has these
+              {"event": "failure", "step": 14, "rank": 0, "cause": "hung", "time": 3.0},
+              {"event": "recovered", "step": 13, "lost_steps": 1, "seconds": 2.5, "time": 4.0}]
+    for event in events:
+        writer.on_event(event)
+    writer.close()
+    scalars = tensorboard_scalars(tb / "job")
+    assert scalars["job/restarts"] == [(10, 1.0), (13, 2.0)]
+    assert scalars["job/lost_steps"] == [(10, 2.0), (13, 3.0)]
+    assert scalars["job/recovery_s"] == [(10, 3.5), (13, 2.5)]
+    assert "train/loss" not in scalars
+    texts = tensorboard_texts(tb / "job")
+    assert [step for step, _ in texts["failures"]] == [12, 14]  # the later resume hid none
+    assert [step for step, _ in texts["recoveries"]] == [10, 13]
+    assert job_events({"logging": {"tensorboard_dir": None}}) is None
+
+
+# ---- real ranks (local gloo processes) ---------------------------------------------------------
+def launch_job(tmp_path: Path, extra: list[str], world: int = 1) -> tuple[Any, list[dict]]:
+    from tenax.parallel.layout import ParallelLayout
+    from tenax.testing.jobs import make_spec
+    from tenax.testing.ranks import rank_context
+    from tenax.workers.launch import launch
+
+    spec = make_spec(tmp_path, ["train.steps=6", "checkpoint.memory_every_steps=0"] + extra)
+    events: list[dict[str, Any]] = []
+    layout = ParallelLayout(dp=world, zero=0 if world == 1 else 1, micro_batch_size=1)
+    assert launch(spec.to_dict(), layout.to_dict(), world, events.append, 180, rank_context())
+    return spec, events
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch) -> Path:
+    pytest.importorskip("wandb")
+    root = tmp_path / "wandb-dir"
+    root.mkdir()
+    for key, value in {"WANDB_DIR": str(root), "WANDB_SILENT": "true", "WANDB_MODE": "offline",
+                       "WANDB_DISABLE_GIT": "true", "WANDB_API_KEY": ""}.items():
+        monkeypatch.setenv(key, value)
+    return root
+
+
+@pytest.mark.slow
+def test_rank_zero_writes_every_step_to_tensorboard_and_wandb(tmp_path, wandb_offline):
+    tb = tmp_path / "tb"
+    spec, events = launch_job(tmp_path, [f"logging.tensorboard_dir={tb}",
+                                         "logging.wandb={project: tenax-test, mode: offline}"],
+                              world=2)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 7))
+    for e in steps:  # the pinned fields, with lr the schedule's and grad_norm before clipping
+        assert e["lr"] == pytest.approx(lr_at(e["step"] - 1, spec))
+        assert e["grad_norm"] > 0 and e["tokens_per_s"] > 0
+    scalars = tensorboard_scalars(tb)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert scalars[f"train/{key}"] == [(e["step"], f32(e[key])) for e in steps], key
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    assert scalars["checkpoint/blocked_s"] == [(c["step"], f32(c["blocked_s"]))
+                                               for c in checkpoints]
+    runs = list((wandb_offline / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    run = wandb_run(runs[0])
+    assert run["id"] == wandb_run_id("", spec.to_dict())
+    assert run["config"]["train"]["steps"] == 6 and run["config"]["model"]["dim"] == 32
+    rows = [r for r in run["history"] if "train/loss" in r]
+    assert [(r["_step"], r["train/loss"], r["train/grad_norm"]) for r in rows] == \
+        [(e["step"], e["loss"], e["grad_norm"]) for e in steps]
+
+
+@pytest.mark.slow
+def test_a_broken_tensorboard_dir_leaves_the_clean_losses(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    _, clean = launch_job(tmp_path / "clean", [])
+    _, broken = launch_job(tmp_path / "broken", [f"logging.tensorboard_dir={blocker}/tb"])
+    losses = {e["step"]: e["loss"] for e in clean if e["event"] == "step"}
+    assert {e["step"]: e["loss"] for e in broken if e["event"] == "step"} == losses
+    assert sorted(losses) == list(range(1, 7))
+    assert not any(e["event"] == "failure" for e in broken)
+
+
+# ---- a kill-and-recover drill on a real local Ray ------------------------------------------
+def final_values(events: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """Step -> the last value of `key` the job logged for it (a redone step's final value)."""
+    return {e["step"]: e[key] for e in events if e.get("event") == "step"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_rank_zero_recovers_into_the_same_run(tmp_path, wandb_offline):
+    from tenax.testing.clusters import local_ray
+    from tenax.testing.jobs import make_spec, run_job
+
+    tb = tmp_path / "tb"
+    spec = make_spec(tmp_path, ["train.steps=16", "resources.nodes=1",
+                                "resources.gpus_per_node=2", "checkpoint.memory_every_steps=0",
+                                f"logging.tensorboard_dir={tb}",
+                                "logging.wandb={project: tenax-test, mode: offline}"])
+    with local_ray(gpus=2):  # started after the fixture set WANDB_*: the agents inherit them
+        job = run_job(spec, chaos="kill rank=0 at=13")
+    assert job.state == "SUCCEEDED"
+    recovered = job.of("recovered")[0]
+    assert (recovered["step"], recovered["lost_steps"]) == (10, 2)  # steps 11 and 12 redone
+    assert [e["step"] for e in job.of("step")].count(11) == 2
+    scalars = tensorboard_scalars(tb)
+    for key in ("loss", "tokens_per_s", "grad_norm", "lr"):  # tokens/s differs per attempt
+        final = final_values(job.events, key)
+        assert scalars[f"train/{key}"] == [(s, f32(final[s])) for s in range(1, 17)], key
+    assert [step for step, _ in tensorboard_texts(tb)["attempts"]] == [1, 11]
+    job_run = tensorboard_scalars(tb / "job")  # the controller's side, a run of its own
+    assert job_run["job/restarts"] == [(10, 1.0)] and job_run["job/lost_steps"] == [(10, 2.0)]
+    failures = tensorboard_texts(tb / "job")["failures"]
+    assert len(failures) == 1 and "rank 0 failed" in failures[0][1]
+    runs = sorted((wandb_offline / "wandb").glob("offline-run-*"))
+    # One directory per attempt, one run id: `wandb sync` makes them one run. (The killed
+    # attempt may have died inside wandb.init, before writing a record: only names are sure.)
+    run_id = wandb_run_id(job.controller.job_id, {})
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    second = wandb_run(runs[1])
+    assert second["id"] == run_id
+    steps = [r["_step"] for r in second["history"] if "train/loss" in r]
+    assert steps == list(range(11, 17))
+    final = final_values(job.events, "tokens_per_s")
+    assert [r["train/tokens_per_s"] for r in second["history"] if "train/loss" in r] == \
+        [final[s] for s in steps]

@@ -1,0 +1,188 @@
+"""`prepare_dataset`: text corpora -> a Megatron indexed dataset, tokenized in parallel.
+
+Pipeline: the corpus reader (corpus.py) yields batches of documents in input order; a pool of
+worker processes tokenizes them (`encode_batch`, then EOS after each document); the writer
+appends the results in the same order. At most `2 x workers` batches are in flight, so memory
+stays bounded whatever the corpus size (Pool.imap would read the whole input ahead).
+
+Workers are started with forkserver (spawn where it is missing), never fork: the parent may
+already hold tokenizer thread pools, which do not survive a fork. Each worker tokenizes on one
+thread; the worker count is the parallelism. Because batches depend only on the input, any
+worker count writes byte-identical output.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Iterator
+
+import numpy as np
+
+from tenax.workers.data.corpus import DocumentBatch, document_batches, resolve_inputs
+from tenax.workers.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from tenax.workers.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT_PER_WORKER = 2
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+WORKER: dict[str, Any] = {}  # the tokenizer and dtype of this worker process
+
+
+@dataclass
+class Encoded:
+    """A batch's tokens back to back (EOS included) and each document's length; or, when a
+    token does not fit the dtype, `bad` = (document index in the batch, token id)."""
+
+    tokens: np.ndarray | None
+    lengths: np.ndarray
+    bad: tuple[int, int] | None = None
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Encoded:
+    """Tokenize `texts`, append EOS to each, pack them into one array of `dtype`."""
+    eos = int(tokenizer.eos_id)
+    if isinstance(tokenizer, ByteTokenizer):  # no Python list per byte
+        arrays = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        lengths = np.array([a.size + 1 for a in arrays], dtype=np.int64)
+        flat = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        for a, end in zip(arrays, ends.tolist()):
+            flat[end - 1 - a.size: end - 1] = a
+        flat[ends - 1] = eos
+        return Encoded(flat, lengths)
+    encoded = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.fromiter(chain.from_iterable(chain(ids, (eos,)) for ids in encoded),
+                       dtype=np.int64, count=int(lengths.sum()))
+    top = int(np.iinfo(dtype).max)
+    outside = (flat < 0) | (flat > top)
+    if outside.any():
+        pos = int(np.argmax(outside))
+        doc = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+        return Encoded(None, lengths, (doc, int(flat[pos])))
+    return Encoded(flat.astype(dtype), lengths)
+
+
+def init_worker(tokenizer: Tokenizer, dtype: str) -> None:
+    # One tokenizer thread per process: parallelism comes from the processes.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    WORKER["tokenizer"], WORKER["dtype"] = tokenizer, np.dtype(dtype)
+
+
+def encode_in_worker(texts: list[str]) -> Encoded:
+    return encode_texts(WORKER["tokenizer"], texts, WORKER["dtype"])
+
+
+def encode_in_order(batches: Iterator[DocumentBatch], tokenizer: Tokenizer, dtype: np.dtype,
+                    workers: int) -> Iterator[tuple[DocumentBatch, Encoded]]:
+    """(batch, its tokens) in input order, tokenized by `workers` processes."""
+    # The forkserver's preload list is process-wide (a test harness or trainer may own it),
+    # so it is left alone: each worker imports this module as it starts.
+    context = mp.get_context(START_METHOD)
+    with context.Pool(workers, initializer=init_worker,
+                      initargs=(tokenizer, dtype.str)) as pool:
+        window: deque[tuple[DocumentBatch, Any]] = deque()
+        for batch in batches:
+            window.append((batch, pool.apply_async(encode_in_worker, (batch.texts,))))
+            if len(window) >= IN_FLIGHT_PER_WORKER * workers:
+                done, result = window.popleft()
+                yield done, result.get()
+        while window:
+            done, result = window.popleft()
+            yield done, result.get()
+
+
+class Meter:
+    """Documents, tokens and input MB/s; a rich progress line on stderr when enabled."""
+
+    def __init__(self, enabled: bool, label: str) -> None:
+        self.documents = self.tokens = self.nbytes = 0
+        self.start = time.perf_counter()
+        self.progress: Any = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(SpinnerColumn(), TextColumn(label),
+                                     TextColumn("{task.description}"), TimeElapsedColumn(),
+                                     console=Console(stderr=True), transient=False)
+            self.task = self.progress.add_task("starting", total=None)
+            self.progress.start()
+
+    def mb_per_s(self) -> float:
+        return self.nbytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)
+
+    def add(self, documents: int, tokens: int, nbytes: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        self.nbytes += nbytes
+        if self.progress is not None:
+            self.progress.update(self.task, description=(
+                f"{self.documents:,} documents, {self.tokens:,} tokens, "
+                f"{self.mb_per_s():.1f} MB/s"))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def check_workers(workers: int | None) -> int:
+    if workers is None:
+        return os.cpu_count() or 1
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers: must be a positive integer, got {workers!r}")
+    return workers
+
+
+def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | None = None,
+                    text_field: str = "text", workers: int | None = None,
+                    progress: bool = True) -> dict[str, Any]:
+    """Tokenize `inputs` (.txt, .jsonl, .jsonl.gz, .parquet; paths or fsspec URIs, globs) into
+    the indexed dataset `out` (a prefix: `out.bin` + `out.idx`), EOS after every document.
+
+    `tokenizer`: a tokenizer file (see `load_tokenizer`) or object; None -> byte-level tokens.
+    Tokens are uint16 when the vocabulary fits, else int32. On any error nothing is left at
+    `out`. Returns {"prefix", "documents", "tokens", "dtype", "bytes" (.bin + .idx),
+    "seconds"}.
+    """
+    start = time.perf_counter()
+    tok = load_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) \
+        else tokenizer
+    files = resolve_inputs(inputs)
+    count = check_workers(workers)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    meter = Meter(progress, f"tokenizing with {count} worker{'s' if count > 1 else ''}")
+    writer = IndexedDatasetWriter(out, dtype)
+    try:
+        results = encode_in_order(document_batches(files, text_field), tok, dtype, count)
+        with contextlib.closing(results):  # on an error, stops the pool at once
+            for batch, encoded in results:
+                if encoded.bad is not None:
+                    doc, token = encoded.bad
+                    raise ValueError(f"{batch.where[doc]}: token id {token} does not fit the "
+                                     f"dataset dtype {dtype.name} (max {np.iinfo(dtype).max})")
+                writer.add_packed(encoded.tokens, encoded.lengths)
+                meter.add(len(batch.texts), int(encoded.lengths.sum()), batch.nbytes)
+        stats = writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        meter.close()
+    stats["seconds"] = time.perf_counter() - start
+    summary = (f"prepared {stats['documents']:,} documents, {stats['tokens']:,} tokens "
+               f"({stats['dtype']}) into {stats['prefix']}.bin/.idx in {stats['seconds']:.1f} s "
+               f"({meter.mb_per_s():.1f} MB/s of input)")
+    logger.info(summary)
+    if progress:
+        print(summary, file=sys.stderr)
+    return stats

@@ -1,0 +1,24 @@
+"""tenax.workers.hf — Tenax weights in and out of the Hugging Face (Llama) format.
+
+- `config`: HF config.json <-> the spec's `model` section (torch-free; the spec uses it).
+- `names`: Tenax parameter names <-> HF names, and the per-tensor layout change.
+- `safetensors_io`: safetensors headers read and written tensor by tensor (fsspec).
+- `export`: a committed checkpoint (any layout) -> an HF directory, one shard at a time.
+- `load`: `model.init_from` -> this rank's parameters, in any layout.
+
+Names resolve lazily (PEP 562), so importing the package imports no torch.
+"""
+from __future__ import annotations
+
+from tenax.faces import lazy_face
+
+_MODULES = {
+    "config": ("HFConfigError", "check_model_section", "hf_config_from_model",
+               "model_fields_from_hf", "read_hf_config"),
+    "names": ("NameMapError", "hf_name", "tenax_name"),
+    "safetensors_io": ("SafetensorsError", "StreamingWriter", "read_index", "read_tensor"),
+    "export": ("ExportError", "export_hf"),
+    "load": ("HFLoadError", "check_hf_weights", "load_hf_into"),
+}
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -1,0 +1,207 @@
+"""Hugging Face `config.json` <-> the job spec's `model` section (torch-free).
+
+Why torch-free: the spec validates `model.init_from` against the directory's config.json when it
+is loaded (CLI, controller, service), and those processes must not import torch. Only Llama
+(`model_type: llama`, SwiGLU, no biases, head_dim = hidden_size / num_attention_heads) maps onto
+the Tenax decoder; anything else is refused by name rather than loaded into the wrong shape.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+# The model keys an HF config fixes; seq_len is a training choice and is not compared.
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden",
+              "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings")
+DEFAULTS: dict[str, Any] = {"n_kv_heads": 4, "rope_theta": 10000.0, "rope_scaling": None,
+                            "norm_eps": 1e-5, "tie_embeddings": False}
+SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class HFConfigError(ValueError):
+    """A config.json that Tenax cannot map, or one that disagrees with the job spec."""
+
+
+def join_uri(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def read_text(uri: str) -> str:
+    """A small text file from a local path or any fsspec URI."""
+    import fsspec
+
+    with fsspec.open(uri, "r", encoding="utf-8") as handle:
+        return handle.read()
+
+
+def read_hf_config(root: str) -> dict[str, Any]:
+    """The parsed config.json under `root`; HFConfigError naming the file on any failure."""
+    uri = join_uri(root, CONFIG_NAME)
+    try:
+        raw = json.loads(read_text(uri))
+    except (OSError, ValueError) as exc:
+        raise HFConfigError(f"model.init_from: cannot read {uri}: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise HFConfigError(f"model.init_from: {uri} is not a JSON object")
+    return raw
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, Llama 3.1 scaling or None) from either the legacy `rope_theta`/`rope_scaling`
+    keys (published checkpoints) or transformers 5's `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in
+                                          (None, "default") else None)
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise HFConfigError(f"config.json: rope scaling type {kind!r} is not supported "
+                            f"(only 'llama3')")
+    missing = [k for k in SCALING_KEYS if k not in scaling]
+    if missing:
+        raise HFConfigError(f"config.json: llama3 rope scaling lacks {missing}")
+    out = {k: float(scaling[k]) for k in SCALING_KEYS}
+    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return theta, out
+
+
+def _refuse_unmapped(cfg: dict[str, Any]) -> None:
+    kind = cfg.get("model_type")
+    if kind != "llama":
+        raise HFConfigError(f"config.json: model_type {kind!r} is not supported (only 'llama')")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if key in cfg and cfg[key] != want:
+            raise HFConfigError(f"config.json: {key}={cfg[key]!r} is not supported "
+                                f"(Tenax's decoder has {key}={want!r})")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != int(cfg["hidden_size"]):
+        raise HFConfigError(f"config.json: head_dim={head_dim} is not hidden_size / "
+                            f"num_attention_heads = {cfg['hidden_size']} / {heads}")
+
+
+def model_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The spec's `model` keys a Llama config.json fixes, plus a `seq_len` suggestion."""
+    try:
+        _refuse_unmapped(cfg)
+        theta, scaling = _rope(cfg)
+        heads = int(cfg["num_attention_heads"])
+        fields = {"dim": int(cfg["hidden_size"]), "n_layers": int(cfg["num_hidden_layers"]),
+                  "n_heads": heads, "n_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+                  "vocab_size": int(cfg["vocab_size"]),
+                  "ffn_hidden": int(cfg["intermediate_size"]),
+                  "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
+                  "rope_scaling": scaling,
+                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+    except KeyError as exc:
+        raise HFConfigError(f"config.json: required key {exc.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, HFConfigError):
+            raise
+        raise HFConfigError(f"config.json: {type(exc).__name__}: {exc}") from None
+    context = scaling["original_max_position_embeddings"] if scaling else \
+        cfg.get("max_position_embeddings", 2048)
+    fields["seq_len"] = int(context)
+    return fields
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def config_differences(model: dict[str, Any], hf: dict[str, Any]) -> list[str]:
+    """One line per shape key where the spec's model section and the HF config differ."""
+    out = []
+    for key in SHAPE_KEYS:
+        mine = model.get(key)
+        if not _same(mine, hf[key]):
+            out.append(f"model.{key}: the spec has {mine!r}, config.json has {hf[key]!r}")
+    if model.get("moe") is not None:
+        out.append(f"model.moe: the spec has {model['moe']!r}, config.json describes a dense "
+                   f"Llama (no experts)")
+    return out
+
+
+def hf_config_from_model(model: dict[str, Any], dtype: str,
+                         token_ids: dict[str, int | None] | None = None) -> dict[str, Any]:
+    """A LlamaForCausalLM config.json for the spec's `model` section (a plain mapping)."""
+    if model.get("moe") is not None:
+        raise HFConfigError("model.moe has no supported HF export yet")
+    if dtype not in HF_DTYPES:
+        raise HFConfigError(f"--dtype: {dtype!r} must be one of {HF_DTYPES}")
+    scaling = model.get("rope_scaling")
+    max_pos = int(model["seq_len"])
+    if scaling:  # HF expects the extended context to exceed the original one
+        max_pos = max(max_pos, int(scaling["original_max_position_embeddings"]
+                                   * scaling["factor"]))
+    ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": model["dim"], "intermediate_size": model["ffn_hidden"],
+        "num_hidden_layers": model["n_layers"], "num_attention_heads": model["n_heads"],
+        "num_key_value_heads": model["n_kv_heads"], "head_dim": model["dim"] // model["n_heads"],
+        "vocab_size": model["vocab_size"], "max_position_embeddings": max_pos,
+        "rope_theta": float(model.get("rope_theta", 10000.0)),
+        "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
+        "rms_norm_eps": float(model.get("norm_eps", 1e-5)),
+        "tie_word_embeddings": bool(model.get("tie_embeddings", False)),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": dtype, "dtype": dtype, "use_cache": True, **ids,
+    }
+
+
+SCALING_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+
+def _plain(key: str, value: Any) -> Any:
+    """A spec value as plain JSON-like data (a pydantic section dumped, scaling defaults in)."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if key == "rope_scaling" and isinstance(value, dict):
+        value = {**SCALING_DEFAULTS, **value}
+    return value
+
+
+def check_model_section(data: Any, fields: dict[str, Any]) -> Any:
+    """The spec's raw `model` mapping, checked against (and with `from_hf`, completed from)
+    the config.json of `init_from`; `fields` are ModelSpec's pydantic fields (defaults)."""
+    if not isinstance(data, dict):
+        return data
+    if not data.get("init_from"):
+        if data.get("from_hf"):
+            raise HFConfigError("model.from_hf: true needs model.init_from (a directory with "
+                                "config.json and safetensors)")
+        return data
+    root = str(data["init_from"])
+    hf = model_fields_from_hf(read_hf_config(root))
+    out = dict(data)
+    if out.get("from_hf"):
+        for key in (*SHAPE_KEYS, "seq_len"):
+            out.setdefault(key, hf[key])
+    effective = {k: _plain(k, out[k] if k in out else fields[k].default)
+                 for k in (*SHAPE_KEYS, "moe")}
+    diffs = config_differences(effective, hf)
+    if diffs:
+        hint = "from_hf fills only the keys the spec leaves out" if out.get("from_hf") else \
+            "set model.from_hf: true to take its values"
+        raise HFConfigError(f"model.init_from: {root}/config.json does not match the spec "
+                            f"({hint}): " + "; ".join(diffs))
+    return out

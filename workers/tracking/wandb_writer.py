@@ -1,0 +1,62 @@
+"""Weights & Biases backend: the tracker's scalars as one W&B run per job.
+
+The run id comes from the job id (`tracker.wandb_run_id`) and every attempt of rank 0 opens it
+with `resume="allow"`, so a recovery, a rescale or a restarted service appends to the same run
+instead of starting a new one. The spec is the run's config. W&B's history only moves forward:
+online, the values of steps redone after a failure are dropped by W&B (the first value of such
+a step stays; TensorBoard keeps the final one). Offline (`mode: offline`), each attempt is its
+own directory under WANDB_DIR, all with the same id; `wandb sync` uploads them into one run.
+
+System metrics sampling and console capture are off: the first costs a CPU thread in the
+training process, the second wraps its stdout and stderr.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+
+class WandbWriter:
+    """A tracking backend (workers/tracking/tracker.py `Backend`) for one W&B run."""
+    name = "wandb"
+
+    def __init__(self, section: Mapping[str, Any], run_id: str, job_name: str) -> None:
+        self.section, self.run_id, self.job_name = dict(section), run_id, job_name
+        self.run: Any = None
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def open(self, first_step: int, spec: Mapping[str, Any]) -> None:
+        import wandb
+
+        s = self.section
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        self.run = wandb.init(project=s.get("project") or "tenax", entity=s.get("entity"),
+                              name=s.get("name") or self.job_name, id=self.run_id,
+                              resume="allow", mode=s.get("mode") or "online",
+                              config=dict(spec), settings=settings, reinit="create_new")
+        logger.info("wandb: run %s (%s) from step %d", self.run_id, s.get("mode"), first_step)
+
+    def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
+        # One log call per step: eval and checkpoint records of a step join its row.
+        self._pending.setdefault(step, {}).update(values)
+
+    def text(self, step: int, tag: str, text: str, wall_time: float) -> None:
+        self._pending.setdefault(step, {})[tag] = text
+
+    def flush(self) -> None:
+        if self.run is None:
+            raise RuntimeError("wandb: the run is not open")
+        for step in sorted(self._pending):
+            self.run.log(self._pending[step], step=step)
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self.run is not None:
+            run, self.run = self.run, None
+            if self._pending:
+                for step in sorted(self._pending):
+                    run.log(self._pending[step], step=step)
+                self._pending.clear()
+            run.finish()
