@@ -105,3 +105,40 @@ def test_malformed_metadata_is_a_metadata_format_error(change: Callable[[dict], 
 def test_deeply_nested_metadata_is_a_metadata_format_error() -> None:
     with pytest.raises(MetadataFormatError):
         decode_metadata(DEEP.encode(), "file:///x/.metadata")
+
+
+# ---- snapshot stamps ----------------------------------------------------------------------------
+def good_stamp() -> dict[str, Any]:
+    return {"generation": 3, "rank": 1, "world": 2, "step": 7, "files": {"model.bin": [64, 99]},
+            "commit": {"layout": {}}, "written_at": 1.0}
+
+
+@pytest.mark.parametrize("change", [
+    {"step": 1e400},                          # inf: int() raised OverflowError before
+    {"generation": -1},
+    {"rank": True},
+    {"world": 2.5},
+    {"files": {"model.bin": [64]}},           # fewer items than [bytes, crc32c]
+    {"files": {"model.bin": [64, 99, 5]}},
+    {"files": {"model.bin": [64, -1]}},
+    {"files": {"model.bin": [2**63, 0]}},
+    {"files": ["model.bin"]},
+    {"commit": [1, 2]},
+    {"written_at": "soon"},
+    {"written_at": 1e400},
+])
+def test_a_bad_snapshot_stamp_is_a_snapshot_error(change: dict[str, Any]) -> None:
+    from tenax.checkpoint.errors import SnapshotError
+    from tenax.checkpoint.memory.snapshot_store import SnapshotStamp
+
+    assert SnapshotStamp.from_json(json.dumps(good_stamp())).files == {"model.bin": [64, 99]}
+    with pytest.raises(SnapshotError):
+        SnapshotStamp.from_json(json.dumps({**good_stamp(), **change}))
+
+
+def test_a_deeply_nested_snapshot_stamp_is_a_snapshot_error() -> None:
+    from tenax.checkpoint.errors import SnapshotError
+    from tenax.checkpoint.memory.snapshot_store import SnapshotStamp
+
+    with pytest.raises(SnapshotError):
+        SnapshotStamp.from_json('{"commit": ' + "[" * 100_000 + "]" * 100_000 + "}")

@@ -80,6 +80,33 @@ def test_streamed_replicas_arrive_whole_and_rewrite_the_oldest_buffer(pair):
         assert {n: bytes(v) for n, v in files.items()} == _files(step)
 
 
+def test_both_ends_send_small_writes_at_once(pair, monkeypatch):
+    """The handshake and the MAC trailer are small writes after others: under Nagle each one
+    waited for a delayed ACK (~40 ms), longer than a step, and every other snapshot was
+    skipped. Both ends turn it off."""
+    from tenax.workers.replica_stream import ReplicaReceiver
+
+    receiver, _ = pair
+    seen: dict[str, int] = {}
+    serve = ReplicaReceiver._serve
+
+    def serve_noting(self, conn):
+        seen["receiver"] = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        return serve(self, conn)
+
+    monkeypatch.setattr(ReplicaReceiver, "_serve", serve_noting)
+    files = _files(21)
+    stamp = _stamp(21, files)
+    local = SnapshotDir(str(receiver.job_root) + "-sender")
+    local.write(stamp, files)
+    _, paths = local.paths(GEN, RANK, 21)
+    on_connect = lambda sock: seen.update(  # noqa: E731
+        sender=sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    assert send_snapshot(receiver.endpoint("127.0.0.1"), stamp, paths, 10.0, on_connect,
+                         secret=SECRET.encode(), job_id="stream-job") == 21
+    assert seen["sender"] and seen["receiver"], seen
+
+
 def _mapped_under(root: str) -> list[str]:
     """This process's mappings of files under `root` (/proc/self/maps: Linux)."""
     with open("/proc/self/maps") as f:

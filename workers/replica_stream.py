@@ -189,6 +189,7 @@ class ReplicaReceiver:
             if not self._admit(conn, str(addr[0])):
                 conn.close()
                 continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see send_snapshot
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="tenax-replica-recv").start()
 
@@ -314,6 +315,10 @@ def send_snapshot(endpoint: Endpoint, stamp: SnapshotStamp, paths: dict[str, str
     when the connection failed or was shut down from another thread (`on_connect` is given
     the socket for that)."""
     with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s) as sock:
+        # The handshake and the MAC trailer are small writes right after others: with Nagle
+        # each waited for the receiver's delayed ACK (~40 ms), so a 70 KB replica took longer
+        # than a step and every other snapshot was skipped.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if on_connect is not None:
             on_connect(sock)
         session = client_handshake(sock, secret, MAGIC,

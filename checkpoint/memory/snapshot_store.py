@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -101,18 +102,36 @@ class SnapshotStamp:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "SnapshotStamp":
+        """The stamp in `text`; SnapshotError for anything else, including numbers that do not
+        fit (1e400 is inf), nesting too deep for the parser and file entries that are not
+        exactly [bytes, crc32c]."""
         try:
             doc = json.loads(text)
-            stamp = cls(generation=int(doc["generation"]), rank=int(doc["rank"]),
-                        world=int(doc["world"]), step=int(doc["step"]),
-                        files={str(k): [int(v[0]), int(v[1])] for k, v in doc["files"].items()},
+            stamp = cls(generation=_count(doc["generation"]), rank=_count(doc["rank"]),
+                        world=_count(doc["world"]), step=_count(doc["step"]),
+                        files={str(k): _file_entry(v) for k, v in doc["files"].items()},
                         commit=dict(doc["commit"]), written_at=float(doc["written_at"]))
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise SnapshotError(f"unreadable snapshot stamp: {type(exc).__name__}: {exc}") from None
-        if not 0 <= stamp.rank < stamp.world or stamp.step < 0:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError,
+                RecursionError) as exc:
+            raise SnapshotError(f"unreadable snapshot stamp: {type(exc).__name__}: "
+                                f"{str(exc)[:200]}") from None
+        if not 0 <= stamp.rank < stamp.world or not math.isfinite(stamp.written_at):
             raise SnapshotError(f"snapshot stamp out of range: rank {stamp.rank} of "
-                                f"{stamp.world}, step {stamp.step}")
+                                f"{stamp.world}, written_at {stamp.written_at}")
         return stamp
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer that fits int64 (JSON's bools and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"expected an integer in [0, 2^63), got {str(value)[:40]}")
+    return value
+
+
+def _file_entry(value: Any) -> list[int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"a file entry is [bytes, crc32c], got {str(value)[:40]}")
+    return [_count(value[0]), _count(value[1])]
 
 
 def _safe_name(name: str) -> str:
