@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tenax.workers.trainer import lr_at
 from tenax.workers.tracking import (TensorBoardWriter, Tracker, scalars_of, tfrecord,
                                     wandb_run_id)
 from tenax.workers.tracking.tracker import CLOSE_TIMEOUT_S, ERROR_CLOSE_S
-from tests.tracking_readers import tensorboard_scalars, tensorboard_texts, wandb_run
+from tests.tracking_readers import tensorboard_scalars, tensorboard_texts
 
 SPEC = {"name": "demo", "train": {"steps": 3}}
 
@@ -292,113 +291,3 @@ def test_the_controllers_events_form_a_run_that_is_never_purged(tmp_path):
     assert [step for step, _ in texts["failures"]] == [12, 14]  # the later resume hid none
     assert [step for step, _ in texts["recoveries"]] == [10, 13]
     assert job_events({"logging": {"tensorboard_dir": None}}) is None
-
-
-# ---- real ranks (local gloo processes) ---------------------------------------------------------
-def launch_job(tmp_path: Path, extra: list[str], world: int = 1) -> tuple[Any, list[dict]]:
-    from tenax.parallel.layout import ParallelLayout
-    from tenax.testing.jobs import make_spec
-    from tenax.testing.ranks import rank_context
-    from tenax.workers.launch import launch
-
-    spec = make_spec(tmp_path, ["train.steps=6", "checkpoint.memory_every_steps=0"] + extra)
-    events: list[dict[str, Any]] = []
-    layout = ParallelLayout(dp=world, zero=0 if world == 1 else 1, micro_batch_size=1)
-    assert launch(spec.to_dict(), layout.to_dict(), world, events.append, 180, rank_context())
-    return spec, events
-
-
-@pytest.fixture
-def wandb_offline(tmp_path, monkeypatch) -> Path:
-    pytest.importorskip("wandb")
-    root = tmp_path / "wandb-dir"
-    root.mkdir()
-    for key, value in {"WANDB_DIR": str(root), "WANDB_SILENT": "true", "WANDB_MODE": "offline",
-                       "WANDB_DISABLE_GIT": "true", "WANDB_API_KEY": ""}.items():
-        monkeypatch.setenv(key, value)
-    return root
-
-
-@pytest.mark.slow
-def test_rank_zero_writes_every_step_to_tensorboard_and_wandb(tmp_path, wandb_offline):
-    tb = tmp_path / "tb"
-    spec, events = launch_job(tmp_path, [f"logging.tensorboard_dir={tb}",
-                                         "logging.wandb={project: tenax-test, mode: offline}"],
-                              world=2)
-    steps = [e for e in events if e["event"] == "step"]
-    assert [e["step"] for e in steps] == list(range(1, 7))
-    for e in steps:  # the pinned fields, with lr the schedule's and grad_norm before clipping
-        assert e["lr"] == pytest.approx(lr_at(e["step"] - 1, spec))
-        assert e["grad_norm"] > 0 and e["tokens_per_s"] > 0
-    scalars = tensorboard_scalars(tb)
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-        assert scalars[f"train/{key}"] == [(e["step"], f32(e[key])) for e in steps], key
-    checkpoints = [e for e in events if e["event"] == "checkpoint"]
-    assert scalars["checkpoint/blocked_s"] == [(c["step"], f32(c["blocked_s"]))
-                                               for c in checkpoints]
-    runs = list((wandb_offline / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    run = wandb_run(runs[0])
-    assert run["id"] == wandb_run_id("", spec.to_dict())
-    assert run["config"]["train"]["steps"] == 6 and run["config"]["model"]["dim"] == 32
-    rows = [r for r in run["history"] if "train/loss" in r]
-    assert [(r["_step"], r["train/loss"], r["train/grad_norm"]) for r in rows] == \
-        [(e["step"], e["loss"], e["grad_norm"]) for e in steps]
-
-
-@pytest.mark.slow
-def test_a_broken_tensorboard_dir_leaves_the_clean_losses(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    _, clean = launch_job(tmp_path / "clean", [])
-    _, broken = launch_job(tmp_path / "broken", [f"logging.tensorboard_dir={blocker}/tb"])
-    losses = {e["step"]: e["loss"] for e in clean if e["event"] == "step"}
-    assert {e["step"]: e["loss"] for e in broken if e["event"] == "step"} == losses
-    assert sorted(losses) == list(range(1, 7))
-    assert not any(e["event"] == "failure" for e in broken)
-
-
-# ---- a kill-and-recover drill on a real local Ray ------------------------------------------
-def final_values(events: list[dict[str, Any]], key: str) -> dict[int, float]:
-    """Step -> the last value of `key` the job logged for it (a redone step's final value)."""
-    return {e["step"]: e[key] for e in events if e.get("event") == "step"}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_killed_rank_zero_recovers_into_the_same_run(tmp_path, wandb_offline):
-    from tenax.testing.clusters import local_ray
-    from tenax.testing.jobs import make_spec, run_job
-
-    tb = tmp_path / "tb"
-    spec = make_spec(tmp_path, ["train.steps=16", "resources.nodes=1",
-                                "resources.gpus_per_node=2", "checkpoint.memory_every_steps=0",
-                                f"logging.tensorboard_dir={tb}",
-                                "logging.wandb={project: tenax-test, mode: offline}"])
-    with local_ray(gpus=2):  # started after the fixture set WANDB_*: the agents inherit them
-        job = run_job(spec, chaos="kill rank=0 at=13")
-    assert job.state == "SUCCEEDED"
-    recovered = job.of("recovered")[0]
-    assert (recovered["step"], recovered["lost_steps"]) == (10, 2)  # steps 11 and 12 redone
-    assert [e["step"] for e in job.of("step")].count(11) == 2
-    scalars = tensorboard_scalars(tb)
-    for key in ("loss", "tokens_per_s", "grad_norm", "lr"):  # tokens/s differs per attempt
-        final = final_values(job.events, key)
-        assert scalars[f"train/{key}"] == [(s, f32(final[s])) for s in range(1, 17)], key
-    assert [step for step, _ in tensorboard_texts(tb)["attempts"]] == [1, 11]
-    job_run = tensorboard_scalars(tb / "job")  # the controller's side, a run of its own
-    assert job_run["job/restarts"] == [(10, 1.0)] and job_run["job/lost_steps"] == [(10, 2.0)]
-    failures = tensorboard_texts(tb / "job")["failures"]
-    assert len(failures) == 1 and "rank 0 failed" in failures[0][1]
-    runs = sorted((wandb_offline / "wandb").glob("offline-run-*"))
-    # One directory per attempt, one run id: `wandb sync` makes them one run. (The killed
-    # attempt may have died inside wandb.init, before writing a record: only names are sure.)
-    run_id = wandb_run_id(job.controller.job_id, {})
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
-    second = wandb_run(runs[1])
-    assert second["id"] == run_id
-    steps = [r["_step"] for r in second["history"] if "train/loss" in r]
-    assert steps == list(range(11, 17))
-    final = final_values(job.events, "tokens_per_s")
-    assert [r["train/tokens_per_s"] for r in second["history"] if "train/loss" in r] == \
-        [final[s] for s in steps]
