@@ -97,6 +97,7 @@ def kill_rank_case(root: str, quick: bool) -> dict[str, Any]:
     faults = analyse_faults(job, list(fired.values()))
     return {"case": "kill rank", "state": job.state, "chaos": chaos, "steps": steps,
             "ray_init_s": ray_info["init_s"], "cold_start_s": cold_start_s(job),
+            "cold_start": (job.of("done") or [{}])[-1].get("cold_start", {}),
             "heartbeat_timeout_s": spec.fault_tolerance.heartbeat_timeout_s,
             "heartbeat_interval_s": spec.fault_tolerance.heartbeat_interval_s,
             "restarts": job.controller.restarts, "faults": faults,
@@ -211,6 +212,15 @@ class Decisions(logging.Handler):
         self.lines.append(f"{record.created:.3f} {record.getMessage()}")
 
 
+def add_cold_start_rows(report: Report, since_launch: dict[str, float]) -> None:
+    """The kill-rank job's cold start, phase by phase (the `done` event's `cold_start`). Its
+    Ray was started by the bench, so the controller's construction is the launch."""
+    from tenax.orchestrator.job.goodput_cold_start import durations
+
+    for phase, seconds in durations(since_launch).items():
+        report.add(f"kill rank: cold start, {phase}", seconds, unit="s", note="context")
+
+
 def main() -> int:
     args = parse_args(__doc__)
     report = Report("Recovery: detection and resume, measured side by side")
@@ -226,6 +236,7 @@ def main() -> int:
     kill = cases[0]
     report.add("kill rank: Ray start (context)", kill["ray_init_s"], unit="s",
                note="embedded ray.init, what `tenax run` adds before the controller starts")
+    add_cold_start_rows(report, kill["cold_start"])
     report.context = {"quick": args.quick, "cases": cases, "recovery_decisions": decisions.lines}
     report.finish(args.json_path)
     return 0 if all(c["state"] == "SUCCEEDED" for c in cases) else 1

@@ -29,6 +29,7 @@ EXAMPLES = {
     "scaled": {"step": 8, "from": LAYOUT, "from_world": 2, "layout": LAYOUT, "world_size": 4,
                "seconds": 3.0, "lost_steps": 0},
     "straggler": {"rank": 2, "score": 0.7, "action": "alert"},
+    "profile": {"step": 12, "steps": [10, 12], "diagnostics": "file:///c/diagnostics/x-profile"},
     "done": {"step": 200, "loss": 5.1, "restarts": 1, "lost_steps": 2,
              "goodput": {"goodput": 0.93}},
     "state": {"state": "RUNNING", "reason": "started dp2 (2 ranks on 1 node(s))"},

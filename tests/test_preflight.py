@@ -1,5 +1,5 @@
 """`tenax preflight` and `tenax run --preflight` / `preflight:`: the job itself for a few steps
-on scratch checkpoints, judged row by row (data, memory, progress, throughput, recovery); the
+on scratch checkpoints, judged row by row (data, memory, progress, throughput, links, recovery); the
 real run afterwards starts at step 0 and trains exactly as a run without a preflight."""
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_run_after_a_passing_preflight_trains_as_without(tmp_path):
     pre = [e for e in events if e["event"] == "preflight"]
     assert len(pre) == 1 and pre[0]["verdict"] == "pass", pre
     assert {r["name"] for r in pre[0]["rows"]} == {"data", "memory", "progress", "throughput",
-                                                    "recovery"}
+                                                    "links", "recovery"}
     assert all(r["verdict"] == "pass" for r in pre[0]["rows"]), pre[0]["rows"]
     losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
     assert min(losses) == 1

@@ -32,6 +32,10 @@ fault_tolerance: {heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, hang_time
 
 # Keys Tenax added beyond DESIGN.md's example, with their defaults.
 ADDED_KEYS = {("fault_tolerance", "straggler_action"): "alert"}
+# A torch.profiler window (docs/diagnostics.md): off by default.
+ADDED_KEYS[("train", "profile_steps")] = None
+# Bad node screening after a preflight (docs/preflight.md): off by default.
+ADDED_KEYS[("resources", "exclude_slow_nodes")] = False
 # Keys of real-corpus training (docs/data.md): all off/empty by default.
 ADDED_KEYS.update({("data", key): value for key, value in {
     "sources": None, "tokenizer": None, "eos_id": None, "document_mask": False,

@@ -12,7 +12,10 @@
   workers; None in production), `ChaosInjector`.
 - Events: `Event`, `stamp`, `human`, `layout_text`; `prepare_token_file` (the flat token file).
 - Hang evidence (workers/diagnostics.py): `dump_stacks` (an agent asks its training process
-  for every thread's stack), `read_stacks`, `diagnose` -> `Diagnosis` (the odd rank out).
+  for every thread's stack), `read_stacks`, `diagnose` -> `Diagnosis` (the odd rank out);
+  a straggler's samples: `join_samples`, `read_evidence` (each rank's role), `place_shares`,
+  `compare_roles`. Profiling a window of steps (workers/profiling.py): `parse_profile_steps`,
+  `profile_location`.
 - Experiment tracking: the sub-package `tenax.workers.tracking` (TensorBoard, W&B).
 - The validation loop (`data.validation`) is `tenax.workers.evaluation` (`Validator`,
   `EvalResult`, the `eval` event): like the data loader, a training process's module (torch).
@@ -39,8 +42,11 @@ _MODULES = {
     "snapshot_keeper": ("ReplicaTerms",),
     "replica_auth": ("new_job_secret",),
     "chaos_injector": ("ChaosEvent", "ChaosInjector", "RankChaos"),
+    "preflight_links": ("LinkProbe", "LinkTask"),
     "events": ("Event", "human", "layout_text", "stamp"),
-    "diagnostics": ("Diagnosis", "diagnose", "dump_stacks", "read_stacks"),
+    "diagnostics": ("EVIDENCE_FILE", "Diagnosis", "compare_roles", "diagnose", "dump_stacks",
+                    "join_samples", "place_shares", "read_evidence", "read_stacks"),
+    "profiling": ("parse_profile_steps", "profile_location"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

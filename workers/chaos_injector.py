@@ -96,6 +96,12 @@ class ChaosInjector:
                 time.sleep(1.0)
 
 
+def slow_down(seconds: float) -> None:
+    """A `slow` drill's extra compute time, in a frame of its own so that a straggler's stack
+    samples name it (orchestrator/job/health_evidence.py)."""
+    time.sleep(seconds)
+
+
 def kill_raylet() -> None:
     """A real node loss: SIGKILL the raylet this process runs under (never the head's)."""
     import psutil

@@ -178,3 +178,77 @@ def read_stacks(location: str, storage_options: dict[str, Any] | None = None) ->
     if not out:
         raise FileNotFoundError(f"{location}: no rank-N.txt stack files here")
     return out
+
+
+# ---- straggler evidence: several samples per rank, the flagged rank beside a healthy one ----
+SAMPLE_MARK = "--- sample "  # "--- sample 3 at +0.412 s ---" opens each sample of a rank file
+EVIDENCE_FILE = "evidence.json"  # what a location holds evidence of: cause, role of each rank
+
+
+def join_samples(samples: list[tuple[float, str]]) -> str:
+    """One rank file from (seconds since sampling began, stack text) samples."""
+    return "".join(f"{SAMPLE_MARK}{i} at +{t:.3f} s ---\n{text}"
+                   for i, (t, text) in enumerate(samples))
+
+
+def split_samples(text: str) -> list[str]:
+    """The samples of a rank file (a file without marks is one sample: a hang's dump)."""
+    if SAMPLE_MARK not in text:
+        return [text]
+    parts = re.split(rf"^{re.escape(SAMPLE_MARK)}.*$\n?", text, flags=re.MULTILINE)
+    return parts[1:]
+
+
+def place_shares(text: str, top: int = 2) -> list[tuple[str, float]]:
+    """Where a rank's training thread was across its samples: (top frames, share of the
+    samples), most frequent first; a sample without a stack counts as "(no stack)"."""
+    counts: dict[str, int] = {}
+    samples = split_samples(text)
+    for sample in samples:
+        thread = training_thread(sample)
+        frames = thread.frames[:top] if thread is not None else []
+        key = " <- ".join(str(f) for f in frames) or "(no stack)"
+        counts[key] = counts.get(key, 0) + 1
+    return sorted(((k, n / len(samples)) for k, n in counts.items()), key=lambda kv: -kv[1])
+
+
+def top_frame_shares(text: str) -> dict[str, float]:
+    """Share of a rank's samples per top frame of its training thread."""
+    out: dict[str, float] = {}
+    for place, share in place_shares(text, top=1):
+        out[place] = out.get(place, 0.0) + share
+    return out
+
+
+def compare_roles(stacks: dict[int, str], roles: dict[int, str], top: int = 2) -> str:
+    """What each rank's training thread spent its samples on, and one sentence naming the
+    place where the flagged ranks spent the largest share more than the healthy one."""
+    lines = []
+    for rank in sorted(stacks):
+        role = roles.get(rank, "sampled")
+        lines.append(f"rank {rank} ({role}), {len(split_samples(stacks[rank]))} sample(s):")
+        lines += [f"    {share:4.0%}  {place}" for place, share in place_shares(stacks[rank], top)]
+    healthy = [r for r in sorted(stacks) if roles.get(r) == "healthy"]
+    base = top_frame_shares(stacks[healthy[0]]) if healthy else {}
+    for rank in sorted(r for r in stacks if roles.get(r) == "straggler"):
+        shares = top_frame_shares(stacks[rank])
+        place, extra = max(((p, s - base.get(p, 0.0)) for p, s in shares.items()),
+                           key=lambda pe: pe[1])
+        against = f", rank {healthy[0]} (healthy) {base.get(place, 0.0):.0%}" if healthy else ""
+        lines.append(f"rank {rank} (straggler) spends {shares[place]:.0%} of its samples in "
+                     f"{place}{against}")
+    return "\n".join(lines)
+
+
+def read_evidence(location: str, storage_options: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The location's `evidence.json` ({} where there is none: a hang's location)."""
+    import json
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(location, **(storage_options or {}))
+    path = f"{root.rstrip('/')}/{EVIDENCE_FILE}"
+    if not fs.exists(path):
+        return {}
+    return json.loads(fs.cat(path).decode())

@@ -156,7 +156,11 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "snapshots_off": lambda f: f"In-memory snapshots are off: {f.get('reason', '')}",
     "started": lambda f: f"Rank {f.get('rank', 0)} started at step {f['step']}",
     "straggler": lambda f: (f"Rank {f['rank']} is a straggler (score {f['score']:.2f} of the "
-                            f"median); action {f.get('action', 'alert')}"),
+                            f"median); action {f.get('action', 'alert')}" + (
+                                f"; stacks sampled: tenax diagnose {f['diagnostics']}"
+                                if f.get("diagnostics") else "")),
+    "profile": lambda f: (f"Profiled steps {f['steps'][0]}-{f['steps'][1]} on every rank: "
+                          f"traces at {f['diagnostics']}"),
     "chaos": lambda f: f"Chaos drill {f['kind']}: {f.get('detail', '')}",
     "resumed": lambda f: (f"The service restarted and resumes the job (it was "
                           f"{f.get('was', '?')}): {f.get('reason', '')}"),

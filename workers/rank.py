@@ -12,10 +12,13 @@ Records: "started" (with the step it resumed at) and "step" go to `hooks.on_step
 events and `eval` events (data.validation, workers/evaluation.py) to `hooks.on_event` (default
 `on_step`). `hooks.should_stop` is polled at every step
 boundary; when any rank says stop, all save at that boundary and the loop returns
-{"event": "stopped", ...}. `hooks.faults` is a drill's fault injection
+{"event": "stopped", ...}. `hooks.profile_request` (a running job's `tenax profile`) is agreed
+on in the same all-reduce, so every rank profiles the same steps. `hooks.faults` is a drill's fault injection
 (workers/chaos_injector.py), None in production: told before each step, it may kill or hang
 this process or stretch its compute. Rank 0 of a job with a `logging` section also hands its
 records to a tracker that writes TensorBoard / W&B off this thread (workers/tracking).
+With `train.profile_steps`, every rank records a torch.profiler trace of that window of steps
+(workers/profiling.py) and rank 0 reports the `profile` event.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any, Callable, Protocol
 from tenax.workers.checkpoint_config import checkpoint_config
 from tenax.workers.events import stamp
 from tenax.workers.memory_options import MemoryOptions, begin_rank, snapshotter
+from tenax.workers.profiling import ProfileWindows
 from tenax.workers.rendezvous import join_process_group, leave_process_group
 from tenax.workers.tracking.figures import device_figures
 from tenax.workers.tracking.tracker import open_tracker, tee_hooks
@@ -78,6 +82,8 @@ class RankHooks:
     on_step: Callable[[Record], None] | None = None  # "started" and "step" records
     on_event: Callable[[Record], None] | None = None  # checkpoint events (default: on_step)
     should_stop: Callable[[], bool] | None = None  # polled at every step boundary
+    # (request id, steps) of the latest profile request, polled with should_stop; (0, 0): none
+    profile_request: Callable[[], tuple[int, int]] | None = None
     faults: FaultHook | None = None  # a drill's fault injection; None in production
 
     def progress(self, record: Record) -> None:
@@ -133,13 +139,15 @@ def run_rank(options: RankOptions, hooks: RankHooks | None = None) -> Record:
     backend = "nccl" if torch.cuda.is_available() and spec.resources.device != "cpu" else "gloo"
     join_process_group(options.rank, options.world, options.addr, options.port,
                        COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
+    joined_at = time.time()  # the cold start's rendezvous (in the "started" record)
     try:
-        return _train(spec, layout, options, hooks or RankHooks())
+        return _train(spec, layout, options, hooks or RankHooks(), joined_at)
     finally:
         leave_process_group()
 
 
-def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Record:
+def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks,
+           joined_at: float = 0.0) -> Record:
     from tenax.checkpoint import CheckpointManager
     from tenax.workers.evaluation import Validator
     from tenax.workers.trainer import Trainer
@@ -147,6 +155,7 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Re
     rank, world, storage_options = options.rank, options.world, options.storage_options
     # A resuming rank loads every weight: initialising them first would be wasted (~45 ms).
     trainer = Trainer(spec, layout, initialise=not options.resume)
+    built_at = time.time()
     validator = Validator.from_spec(spec)  # a bad validation set fails before any load
     base = {"rank": rank, "world_size": world, "layout": layout.degrees()}
     with CheckpointManager(checkpoint_config(spec), trainer, rank, world,
@@ -159,7 +168,8 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks) -> Re
         hooks.events(mgr.drain_events(), rank)
         snaps = snapshotter(spec, mgr, rank, world, options.memory)
         hooks.progress(stamp({"event": "started", "step": trainer.step,
-                              "resumed_from": resumed, "source": source, **base}))
+                              "resumed_from": resumed, "source": source,
+                              "joined_at": joined_at, "built_at": built_at, **base}))
         if validator is not None and trainer.step == 0 and validator.due(0):
             hooks.events([validator.run(trainer).record()], rank)
         try:
@@ -181,13 +191,19 @@ def _steps(trainer: Any, mgr: Any, snaps: Any, options: RankOptions, hooks: Rank
     record: Record = {"event": "step", "step": trainer.step, "loss": None, **base}
     target, every = options.steps or spec.train.steps, spec.checkpoint.every_steps
     figures = device_figures(trainer)  # mfu, peak memory: CUDA only
+    profiling = ProfileWindows(spec, base["rank"], options.storage_options)
     while trainer.step < target:
-        if hooks.should_stop is not None and _any_rank_says(hooks.should_stop()):
-            return _stop_at_boundary(mgr, trainer.step, hooks, base)
+        if hooks.should_stop is not None:
+            stop, request, steps = _agree(hooks.should_stop(), hooks.profile_request)
+            if stop:
+                return _stop_at_boundary(mgr, trainer.step, hooks, base, profiling)
+            profiling.on_request(request, steps, trainer.step + 1)
         if hooks.faults is not None:  # chaos `slow`: this rank computes F times slower
             trainer.slow_factor = hooks.faults.slow_factor
+        profiling.before_step(trainer.step + 1)  # torch.profiler windows (workers/profiling.py)
         result = trainer.run_step()
         record = {**_step_record(result, base), **figures(result)}
+        hooks.events(profiling.after_step(trainer.step, target), base["rank"])
         hooks.progress(record)
         if trainer.step % every == 0 or trainer.step == target:
             mgr.save(trainer.step)
@@ -200,8 +216,11 @@ def _steps(trainer: Any, mgr: Any, snaps: Any, options: RankOptions, hooks: Rank
     return record
 
 
-def _stop_at_boundary(mgr: Any, step: int, hooks: RankHooks, base: Record) -> Record:
+def _stop_at_boundary(mgr: Any, step: int, hooks: RankHooks, base: Record,
+                      profiling: ProfileWindows | None = None) -> Record:
     """A planned stop: every rank saves this step (skipped when it is saved or resumed from)."""
+    if profiling is not None:  # a window the stop cut short keeps nothing
+        profiling.close()
     mgr.save(step)
     mgr.close()  # waits; a failed or timed-out save becomes an event, not an error
     hooks.events(mgr.drain_events(), base["rank"])
@@ -226,13 +245,45 @@ def max_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _any_rank_says(flag: bool) -> bool:
-    """One-element all-reduce so every rank stops at the same step boundary."""
+def _agree(stop: bool, profile_request: Callable[[], tuple[int, int]] | None
+           ) -> tuple[bool, int, int]:
+    """One all-reduce (MAX) so every rank stops, or begins a requested profile, at the same
+    step boundary, whatever moment each rank's agent passed the request on."""
     import torch
     import torch.distributed as dist
 
+    request, steps = profile_request() if profile_request is not None else (0, 0)
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    t = torch.tensor([1 if stop else 0, request, steps], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    flag, request, steps = (int(x) for x in t.tolist())
+    return bool(flag), request, steps
+
+
+class ControlChannel:
+    """The agent's requests to its training process, over the pipe end `conn`: "stop"
+    (checkpoint at the next step boundary and exit) and ("profile", request, steps) (a
+    torch.profiler trace of the next `steps` steps; `request` is the controller's id)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.stop, self.profile = conn, False, (0, 0)
+
+    def _read(self) -> None:
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message == "stop":
+                    self.stop = True
+                elif isinstance(message, tuple) and message[:1] == ("profile",):
+                    self.profile = (int(message[1]), int(message[2]))
+        except (EOFError, OSError):  # the agent is gone: nobody will run this job's steps
+            self.stop = True
+
+    def should_stop(self) -> bool:
+        self._read()
+        return self.stop
+
+    def profile_request(self) -> tuple[int, int]:
+        self._read()
+        return self.profile

@@ -180,6 +180,16 @@ class TrainSpec(StrictSection):
     grad_clip: float = Field(1.0, ge=0)
     seed: int = Field(0, ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # [FIRST, LAST]: every rank keeps a torch.profiler trace of these steps (workers/profiling.py)
+    profile_steps: list[int] | None = Field(None, min_length=2, max_length=2)
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> "TrainSpec":
+        window = self.profile_steps
+        if window is not None and not 1 <= window[0] <= window[1]:
+            raise ValueError(f"train.profile_steps: {window} must be [FIRST, LAST] with "
+                             "1 <= FIRST <= LAST")
+        return self
 
 
 class BlendSourceSpec(StrictSection):
@@ -261,6 +271,9 @@ class ResourcesSpec(StrictSection):
     # may be stopped at a checkpoint boundary and requeued for a more urgent job.
     queue_timeout_s: float | None = Field(None, gt=0)
     preemptible: bool = False
+    # A node the preflight singles out (slow links or slow ranks) is kept from the job, which
+    # is re-placed without it and preflighted once more (docs/preflight.md).
+    exclude_slow_nodes: bool = False
 
     @model_validator(mode="after")
     def _node_range(self) -> "ResourcesSpec":

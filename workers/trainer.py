@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tenax.parallel import (ParallelLayout, ParallelModel, cross_entropy_sum, engine_recompute,
                             init_weights, local, parallelize)
+from tenax.workers.chaos_injector import slow_down
 from tenax.workers.data import (IGNORE_INDEX, TokenDataLoader, document_mask, document_positions,
                                 documents_eos_id, mask_eos_targets)
 from tenax.workers.spec import JobSpec
@@ -208,7 +209,7 @@ class Trainer:
             loss_sum, busy = self._forward_backward(inputs, targets)
         if self.slow_factor > 1.0:  # a slow device: this rank's own work stretches, not its waits
             extra = (self.slow_factor - 1.0) * (time.perf_counter() - start)
-            time.sleep(extra)
+            slow_down(extra)
             busy += extra
         t0 = time.perf_counter()
         # The loss sum is final now: reduce it behind the gradient buckets instead of as one

@@ -47,9 +47,10 @@ NODE_IP_TIMEOUT_S = 10.0
 # imported lazily (inside functions, to keep the layers' import order) cost every new process
 # ~0.06 s of CPU before its first step (numpy.ma alone, pulled in by np.unique, ~0.04 s).
 # tests/test_imports.py checks that a train-and-resume imports nothing past this list.
-PRELOAD = ["ray", "torch", "torch.distributed", "torch.distributed.tensor.debug", "numpy.ma",
-           "fsspec.implementations.chained", "tenax.workers.rank", "tenax.workers.trainer",
-           "tenax.workers.events", "tenax.parallel.parallel_model", "tenax.parallel.expert_parallel",
+PRELOAD = ["tenax.workers.import_pause", "ray", "torch", "torch.distributed",
+           "torch.distributed.tensor.debug", "numpy.ma", "fsspec.implementations.chained",
+           "tenax.workers.rank", "tenax.workers.trainer", "tenax.workers.events",
+           "tenax.parallel.parallel_model", "tenax.parallel.expert_parallel",
            "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard",
            "tenax.checkpoint.memory.snapshot", "tenax.checkpoint.memory.restore",
            "tenax.checkpoint.save.plan_codec", "tenax.workers.worker",
@@ -89,6 +90,16 @@ class RankStatus:
     attempt: int = 0
 
 
+def settle_inherited_heap() -> None:
+    """The forkserver's preloaded heap (ray, torch: ~10^6 objects) is never freed in a
+    training process, yet every full collection walked it: 0.3 s inside the first checkpoint
+    load's pickling, and the walk touches (copies) the shared pages. Frozen, the collector
+    skips it. The collector was off in the forkserver while that imported
+    (workers/import_pause.py); the training process turns it on again."""
+    gc.freeze()
+    gc.enable()
+
+
 def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) -> None:
     """Entry point of the training process (runs in a forkserver child).
 
@@ -97,12 +108,9 @@ def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) ->
     next step boundary and exit (planned scale changes lose no steps). Every rank agrees on
     that boundary inside `run_rank` with a one-element all-reduce, whatever moment each rank
     got the request."""
-    # The forkserver's preloaded heap (ray, torch: ~10^6 objects) is never freed here, yet
-    # every full collection walked it: 0.3 s inside the first checkpoint load's pickling,
-    # and the walk touches (copies) the shared pages. Frozen, the collector skips it.
-    gc.freeze()
+    settle_inherited_heap()
     arm_stack_dump()  # hang evidence: the agent asks for every thread's stack (dump_stacks)
-    from tenax.workers.rank import RankHooks, RankOptions, run_rank
+    from tenax.workers.rank import ControlChannel, RankHooks, RankOptions, run_rank
 
     lock = threading.Lock()  # the snapshot thread sends too; a Connection is not thread-safe
 
@@ -117,8 +125,9 @@ def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) ->
 
     memory = replace(memory, on_plan=lambda blob: send(("plan", blob)),
                      on_snapshot=lambda event: send(("record", {**event, "rank": run.rank})))
+    channel = ControlChannel(control)  # "stop", and profile requests
     hooks = RankHooks(on_step=lambda record: send(("record", record)),
-                      should_stop=lambda: bool(control.poll()),
+                      should_stop=channel.should_stop, profile_request=channel.profile_request,
                       faults=run.chaos.injector(run.rank, run.node_id, claim)
                       if run.chaos is not None else None)
     options = RankOptions(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
@@ -149,6 +158,8 @@ class RankWorker:
         self._attempt = 0
         self._plan: str | None = None  # the newest save plan a training process handed over
         self.snapshots = SnapshotKeeper()
+        self._warm = threading.Event()  # set when the forkserver has imported PRELOAD
+        self._warm_at = 0.0  # wall time it was set
         # What the agent imported (ray, the snapshot code) lives as long as it does: a full
         # collection walks all of it whenever one falls due, a recovery's verification or
         # assembly included. Frozen, it is skipped.
@@ -158,8 +169,18 @@ class RankWorker:
     def _warm_up(self) -> None:
         """Start the forkserver now, so its imports overlap placement, not recovery."""
         proc = self._ctx.Process(target=time.sleep, args=(0,), daemon=True)
-        proc.start()
+        try:
+            proc.start()  # returns once the forkserver has imported PRELOAD and forked
+            self._warm_at = time.time()
+        finally:
+            self._warm.set()  # a failed warm-up: `start` reports it, not this wait
         proc.join(timeout=120)
+
+    def forkserver_ready(self, timeout_s: float) -> float:
+        """Wall time this agent's forkserver was ready (waits up to `timeout_s` for it; the
+        time of asking when it is not ready by then): the cold start's `forkservers_ready`."""
+        self._warm.wait(timeout_s)
+        return self._warm_at or time.time()
 
     # ---- identity and rendezvous -------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -336,6 +357,13 @@ class RankWorker:
         """Ask the training process to checkpoint at the next step boundary and exit."""
         if self._control is not None:
             self._control.send("stop")
+
+    def request_profile(self, request: int, steps: int) -> bool:
+        """Ask the training process for a torch.profiler trace of its next `steps` steps."""
+        if self._control is None:
+            return False
+        self._control.send(("profile", request, steps))
+        return True
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Kill the training process (it may be blocked in a collective); True when gone."""

@@ -84,7 +84,7 @@ def _client(args: argparse.Namespace) -> Client:
                   args.timeout, ca)
 
 
-def _rpc_command(func: Callable[[argparse.Namespace, Client], int]) -> Callable[..., int]:
+def rpc_command(func: Callable[[argparse.Namespace, Client], int]) -> Callable[..., int]:
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
         client = _client(args)
@@ -112,7 +112,7 @@ def read_spec_json(path: str) -> str:
     return json.dumps(parse_spec_text(p.read_text(), path), default=str)
 
 
-@_rpc_command
+@rpc_command
 def cmd_submit(args: argparse.Namespace, client: Client) -> int:
     from tenax.proto import jobs_pb2 as pb
 
@@ -121,7 +121,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-@_rpc_command
+@rpc_command
 def cmd_status(args: argparse.Namespace, client: Client) -> int:
     from tenax.orchestrator.service.wire import job_dict
     from tenax.proto import jobs_pb2 as pb
@@ -156,7 +156,7 @@ def list_all_jobs(client: Client, page_size: int = 0) -> list[Any]:
         token = reply.next_page_token
 
 
-@_rpc_command
+@rpc_command
 def cmd_scale(args: argparse.Namespace, client: Client) -> int:
     from tenax.proto import jobs_pb2 as pb
 
@@ -165,7 +165,7 @@ def cmd_scale(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-@_rpc_command
+@rpc_command
 def cmd_cancel(args: argparse.Namespace, client: Client) -> int:
     from tenax.orchestrator.service.wire import state_name
     from tenax.proto import jobs_pb2 as pb
@@ -175,7 +175,7 @@ def cmd_cancel(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-@_rpc_command
+@rpc_command
 def cmd_watch(args: argparse.Namespace, client: Client) -> int:
     """Stream events until the job ends; reconnect after the last seq if the server drops."""
     import grpc
@@ -303,7 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------
-def _client_flags(p: argparse.ArgumentParser) -> None:
+def client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", help=f"HOST:PORT (default: $TENAX_SERVER or {DEFAULT_SERVER})")
     p.add_argument("--token", help="bearer token (default: $TENAX_TOKEN)")
     p.add_argument("--tls-ca", help="CA bundle to verify a TLS server (default: $TENAX_TLS_CA)")
@@ -390,4 +390,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     p.set_defaults(func=cmd_cancel)
     for name in ("submit", "status", "watch", "scale", "cancel"):
-        _client_flags(sub.choices[name])
+        client_flags(sub.choices[name])

@@ -16,6 +16,7 @@ from tenax.checkpoint import register as register_ckpt
 from tenax.orchestrator.cli.client import register as register_service
 from tenax.orchestrator.cli.data import register as register_data
 from tenax.orchestrator.cli.diagnose import register as register_diagnose
+from tenax.orchestrator.cli.profile import register as register_profile
 from tenax.orchestrator.cli.export import register as register_export
 from tenax.orchestrator.cli.preflight import register as register_preflight
 
@@ -237,6 +238,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tenax.orchestrator.cli.runner import run_job
     from tenax.orchestrator.spec import load_spec
 
+    if args.profile_steps is not None:  # the same as --set train.profile_steps=[A,B]
+        from tenax.workers import parse_profile_steps
+
+        first, last = parse_profile_steps(args.profile_steps)
+        args.overrides = [*args.overrides, f"train.profile_steps=[{first},{last}]"]
     spec = load_spec(args.spec, args.overrides)
     return run_job(spec, args.chaos, args.log_json, args.address, args.metrics_port,
                    args.preflight)
@@ -252,12 +258,16 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--preflight", action="store_true",
                    help="smoke-test the job first and run it only if no check fails")
+    p.add_argument("--profile-steps", metavar="A:B",
+                   help="every rank keeps a torch.profiler trace of steps A..B (Chrome JSON) "
+                        "under <checkpoint.uri>/diagnostics/")
     p.set_defaults(func=cmd_run)
 
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, register_data, register_ckpt,
                                                                    register_service,
-                                                                   register_diagnose]
+                                                                   register_diagnose,
+                                                                   register_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

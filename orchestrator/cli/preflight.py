@@ -14,6 +14,10 @@ from rich.markup import escape
 logger = logging.getLogger(__name__)
 
 VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+# `tenax run` runs one job per process: a node the preflight keeps from the job
+# (resources.exclude_slow_nodes) stays held while the process lives; Ray releases the hold
+# with its owner when the process ends.
+HELD_FOR_THE_RUN: list[Any] = []
 
 
 def print_report(report: Any, console: Any) -> None:
@@ -34,8 +38,7 @@ def print_report(report: Any, console: Any) -> None:
 
 def failure_cause(report: Any) -> str:
     """The failing rows, as one line (the run's cause)."""
-    return "preflight failed: " + "; ".join(f"{r.name}: {r.detail or r.measured}"
-                                            for r in report.failing())
+    return str(report.cause())
 
 
 def preflight_gate(spec: Any, forced: bool, sink: Callable[[dict[str, Any]], None],
@@ -55,8 +58,10 @@ def preflight_gate(spec: Any, forced: bool, sink: Callable[[dict[str, Any]], Non
     except PreflightInterrupted as err:
         return str(err)
     print_report(report, console)
+    HELD_FOR_THE_RUN.append(report)
     required = forced or (spec.preflight is not None and spec.preflight.required)
     if report.verdict == "fail" and required:
+        report.release()
         return failure_cause(report)
     if report.verdict == "fail":
         console.print("[yellow]preflight failed; running anyway (preflight.required is "
@@ -79,6 +84,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     try:
         with ray_session(args.address, spec):
             report = run_preflight(spec, args.steps, guard=sigterm_interrupts)
+            report.release()  # no job follows
     except PreflightInterrupted as err:
         Console(stderr=True).print(f"Preflight not finished: {escape(str(err))}.")
         return 1

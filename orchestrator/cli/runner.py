@@ -120,7 +120,7 @@ class EventSink:
 
 LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green",
         "checkpoint_failed": "yellow", "done": "bold", "chaos": "magenta", "scaled": "cyan",
-        "straggler": "yellow"}
+        "straggler": "yellow", "profile": "cyan"}
 
 
 def _styled(event: dict[str, Any]) -> str:
@@ -146,6 +146,7 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
 
     from tenax.orchestrator.cli.preflight import preflight_gate
     from tenax.orchestrator.job.controller import Controller, ControllerOptions, JobState
+    from tenax.orchestrator.job.goodput_cold_start import process_started_at
 
     chaos = parse_chaos(chaos_spec)
     validate_for_job(chaos, spec.resources.world_size, spec.resources.nodes, spec.train.steps)
@@ -164,7 +165,8 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
             sink.close()
             console.print(f"Job {spec.name} not started: {escape(why)}.")
             return 1
-        controller = Controller(spec, ControllerOptions(on_event=sink, chaos=chaos))
+        controller = Controller(spec, ControllerOptions(on_event=sink, chaos=chaos,
+                                                        launched_at=process_started_at()))
         metrics = None
         if metrics_port:
             from tenax.orchestrator.job.metrics import serve_metrics

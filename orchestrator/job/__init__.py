@@ -27,6 +27,8 @@ _MODULES = {
     "progress": ("JobProgress",),
     "goodput": ("Goodput",),
     "health": ("StragglerFlag", "StragglerPolicy", "StragglerTracker"),
+    "health_evidence": ("straggler_evidence",),
+    "profiling": ("ProfileUnavailable", "request_profile"),
     "inbox": ("Inbox",),
     "metrics": ("MetricsServer", "TenaxCollector", "attach", "serve_metrics"),
 }

@@ -40,6 +40,7 @@ from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery, Rescaling
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
+from tenax.orchestrator.job.health_evidence import straggler_evidence
 from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
                                           ScaleRequest)
 from tenax.orchestrator.job.job_policy import (Capacity, JobAction, JobDecision, JobSnapshot,
@@ -82,11 +83,12 @@ class Controller:
         self._interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
         self.recovery, self.rescaling = Recovery(), Rescaling()
-        self.progress = JobProgress(self.job_id, Goodput(self.state_since))
+        self.progress = JobProgress(self.job_id, Goodput(self.state_since,
+                                                         launched_at=options.launched_at))
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
         # Placing and starting actors on a loaded host can take longer than a step may hang;
         # it gets the same allowance as a rank that is still starting.
-        self.placer = Placer(self.job_id, spec, self.timeouts.startup_s)
+        self.placer = Placer(self.job_id, spec, self.timeouts.startup_s, self.goodput.cold_start)
         ft = spec.fault_tolerance
         self.stragglers = StragglerTracker(ft.straggler_threshold, ft.straggler_action,
                                            self.timeouts.heartbeat_interval_s)
@@ -218,9 +220,11 @@ class Controller:
         records = self.group.poll(interval)
         self._account(records)
         self.new_flags = tuple(self.stragglers.observe(records, self.layout.world_size))
-        for flag in self.new_flags:
+        evidence = straggler_evidence(self.group, self.spec, self.new_flags,
+                                      self.stragglers.scores, self.stragglers.flagged)
+        for flag in self.new_flags:  # the stacks are sampled in the background (evidence)
             self.publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
-                         node=self.group.ranks[flag.rank].node_id)
+                         node=self.group.ranks[flag.rank].node_id, **evidence)
         for observe in self.observers:
             observe(self, records)
         return records
@@ -353,7 +357,8 @@ class Controller:
     def _on_success(self, decision: JobDecision) -> None:
         extra = {} if self.progress.stepped else {"already_complete": True}
         self.publish("done", step=self.step, loss=self.loss, restarts=self.restarts,
-                     lost_steps=self.lost_steps, goodput=self.goodput.summary(), **extra)
+                     lost_steps=self.lost_steps, goodput=self.goodput.summary(),
+                     cold_start=self.goodput.cold_start.summary(), **extra)
 
     def _begin_rescale(self, decision: JobDecision) -> None:
         self.rescaling.since, self.rescaling.old = time.monotonic(), self.layout

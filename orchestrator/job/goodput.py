@@ -9,12 +9,15 @@ Wall time is split into phases, measured by the controller as they happen:
   redone from the last committed checkpoint);
 - checkpoint: time training was blocked by checkpoint saves (the `blocked_s` of each save).
 Productive time is what remains; goodput = productive / wall.
+`cold_start_s` is launch -> first step (its breakdown: orchestrator/job/goodput_cold_start.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+
+from tenax.orchestrator.job.goodput_cold_start import ColdStart
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,11 @@ class Goodput:
     phases: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     _open: tuple[str, float] | None = None
     _step_s: list[float] = field(default_factory=list)
+    launched_at: float | None = None  # wall time the cold start counts from (None: now)
+    cold_start: ColdStart = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cold_start = ColdStart(self.launched_at)
 
     def begin(self, phase: str) -> None:
         """Close the open phase (if any) and open `phase` now."""
@@ -56,6 +64,8 @@ class Goodput:
         if self._open is not None:
             spent[self._open[0]] += time.monotonic() - self._open[1]
         productive = max(0.0, wall - sum(spent.values()))
+        cold = self.cold_start.total_s()
         return {"wall_s": round(wall, 3), "productive_s": round(productive, 3),
                 "goodput": round(productive / wall, 4),
-                **{f"{p}_s": round(v, 3) for p, v in spent.items()}}
+                **{f"{p}_s": round(v, 3) for p, v in spent.items()},
+                **({"cold_start_s": cold} if cold is not None else {})}

@@ -34,3 +34,6 @@ class ControllerOptions:
     # Where GPUs are counted: (gpus_per_node, slots known lost) -> whole job nodes. Ray's view
     # of the cluster; a test gives its own to run the loop without a cluster.
     cluster_capacity: Callable[[int, Mapping[str, int]], Capacity] = cluster_capacity
+    # Wall time the cold-start breakdown counts from (`tenax run`: the process's start, so Ray's
+    # start is in it); None: the controller's construction.
+    launched_at: float | None = None

@@ -52,6 +52,7 @@ class JobProgress:
         for; `rescaling` and `recovery` are read, never changed."""
         rescale_open = rescaling.stopped and rescaling.old is not None
         failed_at = recovery.failed_at
+        self.goodput.cold_start.observe(records)  # launch -> first step, once
         for record in records:
             kind = record.get("event")
             if kind == "started" and record["rank"] == 0:
@@ -73,7 +74,7 @@ class JobProgress:
                 yield relayed(record)  # once per attempt (what one costs); every step would flood
             elif kind == "snapshots_off" and record["rank"] == 0:  # every rank stopped alike
                 yield Notice(record["event"], relayed(record).fields, closes="snapshots")
-            elif kind == "eval" and record["rank"] == 0:  # every rank computed the same loss
+            elif kind in ("eval", "profile") and record["rank"] == 0:  # rank 0 speaks for all
                 yield relayed(record)
             elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
                 self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))

@@ -22,7 +22,7 @@ from tenax.orchestrator.placement.host_memory import (SnapshotMemoryPlan, plan_s
                                                       ray_node_memory_bytes,
                                                       snapshot_tmpfs_room)
 from tenax.orchestrator.placement.recovery import MemoryRecovery, MemoryStart, PreparedRestore
-from tenax.orchestrator.placement.worker_group import WorkerGroup
+from tenax.orchestrator.placement.worker_group import PhaseMarks, WorkerGroup
 from tenax.parallel import ParallelLayout
 from tenax.workers import RankChaos, new_job_secret
 
@@ -40,8 +40,10 @@ class Placed:
 
 
 class Placer:
-    def __init__(self, job_id: str, spec: Any, timeout_s: float) -> None:
+    def __init__(self, job_id: str, spec: Any, timeout_s: float,
+                 marks: PhaseMarks | None = None) -> None:
         self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
+        self.marks = marks  # the cold start's placement phases go here (None: not measured)
         self.gpus_per_node = spec.resources.gpus_per_node
         self.generation = 0
         self.snapshots: SnapshotMemoryPlan | None = None  # the newest placement's decision
@@ -83,7 +85,7 @@ class Placer:
             if group is not None and requested else None
         notice = self._plan_memory(layout)
         self.generation += 1
-        group = group or WorkerGroup(self.job_id, self.gpus_per_node)
+        group = group or WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks)
         run = (layout, chaos, prepared)
         try:
             reuse, source = self._create_and_start(group, *run)
@@ -96,7 +98,7 @@ class Placer:
             logger.warning("job %s: warm re-join failed (%s); falling back to a cold start",
                            self.job_id, err)
         group.shutdown()
-        group = WorkerGroup(self.job_id, self.gpus_per_node)
+        group = WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks)
         try:
             reuse, source = self._create_and_start(group, *run)
         except PLACEMENT_ERRORS:

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
 WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
 WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
+
+
+class PhaseMarks(Protocol):
+    """Where placement reports the cold start's phases as they complete (the job's goodput;
+    orchestrator/job/goodput_cold_start.py names them)."""
+
+    def mark(self, phase: str, at: float | None = None) -> None: ...
 
 
 @dataclass
@@ -72,8 +79,11 @@ class RankHealth:
 
 
 class WorkerGroup:
-    def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5) -> None:
+    def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5,
+                 marks: PhaseMarks | None = None) -> None:
         self.job_id, self.gpus_per_node, self.cpus_per_rank = job_id, gpus_per_node, cpus_per_rank
+        self.marks = marks  # the cold start's phases; None: not measured
+        self.forkservers_timed = False  # their readiness is asked once: the cold start's
         self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
         self.blocks: list[dict[str, Any]] = []  # per node: placement group + g actor slots
         self.layout: ParallelLayout | None = None
@@ -96,6 +106,8 @@ class WorkerGroup:
         for block in self.blocks:
             self._replace_dead(block)
         new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
+        for block in new:  # Ray holds them until their bundles are reserved: their processes
+            block["slots"] = [self._new_actor(block["pg"], i) for i in range(g)]  # start sooner
         ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
         if len(ready) < len(new):
             for block in new:  # not in self.blocks yet: release them here or they leak GPUs
@@ -103,13 +115,17 @@ class WorkerGroup:
             self.shutdown()
             raise PlacementError(f"placing {layout.world_size} ranks ({needed} nodes x {g} GPUs) "
                                  f"did not finish within {timeout_s:.0f} s; not enough free GPUs?")
-        for block in new:
-            block["slots"] = [self._new_actor(block["pg"], i) for i in range(g)]
+        self._mark("placement_groups_ready")
         self.blocks.extend(new)
         slots = [h for b in self.blocks for h in b["slots"]]
         self.ranks = slots[:layout.world_size]
         self._collect_info(timeout_s)
+        self._mark("agents_started")
         return {"reused": reused, "created": len(slots) - reused}
+
+    def _mark(self, phase: str, at: float | None = None) -> None:
+        if self.marks is not None:
+            self.marks.mark(phase, at)
 
     def _new_block(self, index: int) -> dict[str, Any]:
         bundle = {"GPU": 1.0, "CPU": self.cpus_per_rank}
@@ -191,12 +207,26 @@ class WorkerGroup:
                               peer=self.peer_of(h.rank) if memory.snapshot_every > 0 else None,
                               replicas=self.replica_terms(h.rank, memory))
             refs.append(h.actor.start.remote(run))
+        warm = [] if self.marks is None or self.forkservers_timed else \
+            [h.actor.forkserver_ready.remote(timeout_s) for h in self.ranks]
         attempts = ray.get(refs, timeout=timeout_s)
+        self._mark_forked(warm, timeout_s)
         now = time.monotonic()
         for h, attempt in zip(self.ranks, attempts):
             h.attempt, h.last_reply, h.step_seen_at = attempt, now, now
             h.n_events, h.pending, h.dead, h.status = 0, None, None, {}
         return addr, port
+
+    def _mark_forked(self, warm: list[Any], timeout_s: float) -> None:
+        """The cold start's forkservers_ready (asked once, alongside the starts: a start waits
+        for its agent's forkserver anyway) and ranks_forked."""
+        if warm:
+            self.forkservers_timed = True
+            try:
+                self._mark("forkservers_ready", max(ray.get(warm, timeout=timeout_s)))
+            except (ray.exceptions.RayError, TimeoutError) as err:  # a figure, never a failure:
+                logger.debug("forkserver readiness not known: %s", err)  # heartbeats tell
+        self._mark("ranks_forked")
 
     def peer_of(self, rank: int) -> Any:
         """The agent holding `rank`'s replica: same slot, next node block (ring); None on one

@@ -2,9 +2,10 @@
 
 - `run_preflight(spec, steps)`: the job itself for a few steps on its own placement and layout,
   on scratch checkpoints removed afterwards; a `Report` of `Row`s (data, memory, progress,
-  throughput, recovery), each pass | warn | fail, and the `preflight` event.
+  throughput, links, recovery), each pass | warn | fail, and the `preflight` event.
 - The rows' rules (pure): `data_row`, `memory_plan_row`, `memory_row`, `progress_row`,
-  `throughput_row`, `recovery_row`, `overall`.
+  `throughput_row`, `links_row`, `recovery_row`, `overall`; `links_check(spec, layout)` runs
+  the links probes (workers/preflight_links.py) on the job's slots.
 
 Names resolve lazily (PEP 562): importing this package imports neither Ray nor torch.
 """
@@ -18,6 +19,8 @@ _MODULES = {
     "rows": ("Row", "memory_plan_row", "memory_row", "overall", "progress_row", "recovery_row",
              "throughput_row"),
     "data": ("data_row", "scan_token_file"),
+    "links": ("GroupFigure", "group_figures", "link_tasks", "links_row", "planner_sizes"),
+    "links_probe": ("links_check", "slow_factors"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -108,20 +108,39 @@ def progress_row(losses: list[float], steps: int, ended: str, cause: str) -> Row
     return Row("progress", measured, expected, "pass", "")
 
 
-def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: float) -> Row:
-    """Per-rank throughput over the smoke steps; a rank far below the median warns."""
+def slow_ranks(rank_tokens_per_s: dict[int, float]) -> list[int]:
+    """Ranks below SLOW_RANK_SHARE of the median rank's throughput."""
+    if not rank_tokens_per_s:
+        return []
+    ordered = sorted(rank_tokens_per_s.values())
+    median = ordered[len(ordered) // 2]
+    return sorted(r for r, v in rank_tokens_per_s.items() if v < SLOW_RANK_SHARE * median)
+
+
+def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: float,
+                   nodes: list[str] | None = None) -> Row:
+    """Per-rank throughput over the smoke steps; a rank far below the median warns, naming
+    it and (`nodes`: per rank) its node."""
     expected = f"planner {planner_tokens_per_s:.4g} tok/s (job)"
     if not rank_tokens_per_s:
         return Row("throughput", "no step records", expected, "fail", "no rank reported a step")
     ordered = sorted(rank_tokens_per_s.values())
     median = ordered[len(ordered) // 2]
-    slow = {r: v for r, v in rank_tokens_per_s.items() if v < SLOW_RANK_SHARE * median}
+    slow = {r: rank_tokens_per_s[r] for r in slow_ranks(rank_tokens_per_s)}
     measured = (f"median {median:.4g} tok/s per rank (min {ordered[0]:.4g}, "
                 f"max {ordered[-1]:.4g})")
     if slow:
         return Row("throughput", measured, expected, "warn",
-                   "slow ranks: " + ", ".join(f"{r} ({v:.4g})" for r, v in sorted(slow.items())))
+                   "slow ranks: " + ", ".join(f"{r} ({v:.4g})" for r, v in sorted(slow.items()))
+                   + _on_nodes(sorted(slow), nodes))
     return Row("throughput", measured, expected, "pass", f"{len(ordered)} ranks")
+
+
+def _on_nodes(ranks: list[int], nodes: list[str] | None) -> str:
+    if not nodes:
+        return ""
+    names = sorted({nodes[r] for r in ranks if r < len(nodes)})
+    return f" on {', '.join(names)}" if names else ""
 
 
 def recovery_row(saved_step: int, problems: list[str], resumed_from: int | None,

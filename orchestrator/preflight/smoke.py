@@ -6,7 +6,10 @@ itself, on its own placement and layout, for `steps` steps with its checkpoints 
 `<checkpoint.uri>/preflight-<time>` (removed afterwards, so the real run starts at step 0 as
 if no preflight had run). The scratch job saves at steps-1 and steps; the catalog verifies
 steps-1, steps is deleted and the job runs again from steps-1: step `steps` must repeat its
-loss. The scratch jobs' own events stay here; only the `preflight` event is published.
+loss. Between the two, the links probes (links_probe.py) time each parallel dimension's
+collective on the slots the smoke job used. With `resources.exclude_slow_nodes` a node the
+rows single out is held from the job and everything runs once more (screening.py). The
+scratch jobs' own events stay here; only the `preflight` event is published.
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 from tenax.orchestrator.preflight.data import data_row
 from tenax.orchestrator.preflight.rows import (Row, memory_plan_row, memory_row, overall,
-                                               progress_row, recovery_row, throughput_row)
+                                               progress_row, recovery_row, slow_ranks,
+                                               throughput_row)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,15 @@ class Report:
     """The rows and the verdict of one preflight."""
     rows: list[Row]
     scratch_uri: str = ""
+    slow_node: str = ""  # the Ray node the rows single out ("" none; see screening.py)
+    slow_node_name: str = ""  # as the rows name it: "node K (id)"
+    cordon: Any = None  # exclude_slow_nodes: the hold that keeps the job off slow_node
+
+    def release(self) -> None:
+        """Give back a node this preflight kept from the job (call when the job ends)."""
+        if self.cordon is not None:
+            self.cordon.release()
+            self.cordon = None
 
     @property
     def verdict(self) -> str:
@@ -43,8 +56,28 @@ class Report:
     def failing(self) -> list[Row]:
         return [r for r in self.rows if r.verdict == "fail"]
 
+    def cause(self) -> str:
+        """The failing rows, as one line (the cause a job that required the preflight ends
+        with)."""
+        return "preflight failed: " + "; ".join(f"{r.name}: {r.detail or r.measured}"
+                                                for r in self.failing())
+
+    def summary(self) -> str:
+        """The verdict and every row that did not pass, in words (a job's status shows it)."""
+        flagged = [f"{r.name} {r.verdict}: {r.detail or r.measured}" for r in self.rows
+                   if r.verdict != "pass"]
+        return "; ".join([self.verdict, *flagged])
+
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [r.to_dict() for r in self.rows], "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class ScratchOptions:
+    """How the scratch jobs run: the caller's guard, a drill's faults, the allotted nodes."""
+    guard: Guard | None = None
+    chaos: tuple[Any, ...] = ()
+    capacity_limit: Callable[[], int] | None = None
 
 
 @dataclass
@@ -56,8 +89,12 @@ class Watch:
     throughput: dict[int, list[float]] = field(default_factory=dict)
     resumed_from: int | None = None
     cuda: bool = False
+    node_ids: list[str] = field(default_factory=list)  # per rank, of the newest placement
 
-    def observe(self, _: Any, records: list[dict[str, Any]]) -> None:
+    def observe(self, controller: Any, records: list[dict[str, Any]]) -> None:
+        group = getattr(controller, "group", None)
+        if group is not None and group.ranks:
+            self.node_ids = [h.node_id for h in group.ranks]
         for r in records:
             rank = int(r.get("rank", 0))
             if r.get("event") == "started" and rank == 0:
@@ -102,10 +139,27 @@ def scratch_spec(spec: Any, steps: int, uri: str) -> Any:
 
 def run_preflight(spec: Any, steps: int | None = None,
                   publish: Callable[[str, dict[str, Any]], None] | None = None,
-                  guard: Guard | None = None) -> Report:
+                  guard: Guard | None = None, chaos: Sequence[Any] = (),
+                  capacity_limit: Callable[[], int] | None = None) -> Report:
     """Smoke-test `spec` (see the module doc); `publish(kind, fields)` gets the event;
-    `guard(controller)` wraps each scratch job's run (e.g. SIGTERM handling)."""
+    `guard(controller)` wraps each scratch job's run (e.g. SIGTERM handling); `chaos`: a
+    drill's faults (`ChaosEvent`s) for the smoke job and the links probes; `capacity_limit`:
+    the nodes a scheduler allots the job (the scratch jobs never plan for more)."""
+    from tenax.orchestrator.preflight.screening import screened
+
+    options = ScratchOptions(guard, tuple(chaos), capacity_limit)
     n = preflight_steps(spec, steps)
+    report = preflight_once(spec, n, options)
+    if spec.resources.exclude_slow_nodes and report.slow_node:
+        report = screened(report, lambda: preflight_once(spec, n, options),
+                          spec.fault_tolerance.hang_timeout_s)
+    if publish is not None:
+        publish("preflight", report.to_dict())
+    return report
+
+
+def preflight_once(spec: Any, n: int, options: ScratchOptions) -> Report:
+    """Every row once (see the module doc), without publishing."""
     report = Report([data_row(spec, n)])
     estimate = _plan_rows(spec, report)
     if not report.failing():
@@ -114,13 +168,11 @@ def run_preflight(spec: Any, steps: int | None = None,
         report.scratch_uri = uri
         root_existed = exists(root)
         try:
-            _run_rows(scratch_spec(spec, n, uri), n, estimate, report, guard)
+            _run_rows(scratch_spec(spec, n, uri), n, estimate, report, options)
         finally:
             remove_tree(uri)
             if not root_existed:  # leave the job's root as the preflight found it
                 remove_tree(root, only_if_empty=True)
-    if publish is not None:
-        publish("preflight", report.to_dict())
     return report
 
 
@@ -143,23 +195,41 @@ def _plan_rows(spec: Any, report: Report) -> Any:
 
 
 def _run_rows(spec: Any, steps: int, estimate: Any, report: Report,
-              guard: Guard | None) -> None:
-    """Progress, throughput and memory of the scratch job; then the recovery row."""
-    watch, controller = run_scratch(spec, guard)
+              options: "ScratchOptions") -> None:
+    """Progress, throughput and memory of the scratch job; the links; the recovery row."""
+    watch, controller = run_scratch(spec, options)
     report.rows.pop()  # the plan-time memory row: the measured one replaces it
     losses = [watch.losses[s] for s in sorted(watch.losses)]
     report.rows.append(memory_row(watch.peaks, estimate.memory.total, estimate.budget_bytes,
                                   watch.cuda, layout_name(controller, estimate)))
     report.rows.append(progress_row(losses, steps, controller.state.value, controller.cause))
-    report.rows.append(throughput_row(watch.rank_tokens_per_s(), estimate.tokens_per_s))
+    _node_rows(spec, watch, controller.layout or estimate.layout, estimate, report, options)
     if steps < 2:
         report.rows.append(Row("recovery", "not run", "--steps >= 2", "warn",
                                "one step leaves no earlier checkpoint to resume from"))
     elif controller.state.value == "SUCCEEDED":
-        report.rows.append(_recovery(spec, steps, watch.losses.get(steps), guard))
+        report.rows.append(_recovery(spec, steps, watch.losses.get(steps), options))
     else:
         report.rows.append(Row("recovery", "not run", f"step {steps - 1} resumed", "warn",
                                "the smoke run did not finish (see progress)"))
+
+
+def _node_rows(spec: Any, watch: Watch, layout: Any, estimate: Any, report: Report,
+               options: ScratchOptions) -> None:
+    """Throughput and links, and the node they single out (if one)."""
+    from tenax.orchestrator.preflight.links import node_names
+    from tenax.orchestrator.preflight.links_probe import measure_links
+    from tenax.orchestrator.preflight.screening import singled_out
+
+    names = node_names(watch.node_ids, spec.resources.gpus_per_node)
+    per_rank = watch.rank_tokens_per_s()
+    report.rows.append(throughput_row(per_rank, estimate.tokens_per_s, names))
+    row, slow_groups = measure_links(spec, layout, options.chaos, watch.node_ids)
+    report.rows.append(row)
+    slow = [watch.node_ids[r] for r in slow_ranks(per_rank) if r < len(watch.node_ids)]
+    report.slow_node = singled_out(slow_groups, slow, set(watch.node_ids))
+    if report.slow_node:
+        report.slow_node_name = names[watch.node_ids.index(report.slow_node)]
 
 
 def layout_name(controller: Any, estimate: Any) -> str:
@@ -171,13 +241,15 @@ def layout_name(controller: Any, estimate: Any) -> str:
     return ran.describe()
 
 
-def run_scratch(spec: Any, guard: Guard | None = None) -> tuple[Watch, Any]:
+def run_scratch(spec: Any, options: ScratchOptions = ScratchOptions()) -> tuple[Watch, Any]:
     """Run the scratch job to its end in this thread (its events are not relayed)."""
     from tenax.orchestrator.job.controller import Controller, ControllerOptions
 
     watch = Watch()
-    controller = Controller(spec, ControllerOptions())
+    controller = Controller(spec, ControllerOptions(chaos=options.chaos,
+                                                    capacity_limit=options.capacity_limit))
     controller.add_observer(watch.observe)
+    guard = options.guard
     with guard(controller) if guard is not None else contextlib.nullcontext():
         controller.run()
     if controller.state.value == "CANCELLED":
@@ -188,7 +260,7 @@ def run_scratch(spec: Any, guard: Guard | None = None) -> tuple[Watch, Any]:
     return watch, controller
 
 
-def _recovery(spec: Any, steps: int, reference: float | None, guard: Guard | None) -> Row:
+def _recovery(spec: Any, steps: int, reference: float | None, options: ScratchOptions) -> Row:
     """Verify step steps-1, delete step `steps`, resume from steps-1 and train step `steps`."""
     from tenax.checkpoint import Catalog, Storage
 
@@ -198,7 +270,7 @@ def _recovery(spec: Any, steps: int, reference: float | None, guard: Guard | Non
     if problems:
         return recovery_row(saved, problems, None, None, reference)
     catalog.delete(steps)
-    watch, _ = run_scratch(spec, guard)
+    watch, _ = run_scratch(spec, options)
     return recovery_row(saved, [], watch.resumed_from, watch.losses.get(steps), reference)
 
 

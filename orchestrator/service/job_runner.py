@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tenax.orchestrator.errors import StoreError
 from tenax.orchestrator.job.controller import Controller, ControllerOptions
+from tenax.orchestrator.service.admission_preflight import AdmissionPreflight
 from tenax.orchestrator.spec import JobSpec
 from tenax.workers import stamp
 
@@ -42,6 +43,8 @@ class JobRunner:
         self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
         self.controller = Controller(spec, ControllerOptions(
             job_id=job_id, on_event=self._on_event, capacity_limit=self.allotment))
+        self.preflight = AdmissionPreflight(job_id, spec, self.baseline, self.allotment,
+                                            self._on_event)
         self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
 
     def allotment(self) -> int:
@@ -56,7 +59,13 @@ class JobRunner:
 
     def preempt(self, reason: str) -> None:
         self.preempting = reason
+        self.preflight.stop()
         self.controller.preempt(reason)
+
+    def cancel(self) -> None:
+        """Stop the job: its admission preflight, if one runs, and its controller."""
+        self.preflight.stop()
+        self.controller.cancel()
 
     @property
     def alive(self) -> bool:
@@ -67,6 +76,8 @@ class JobRunner:
                   "allotted": self.allotted, "priority": self.spec.priority,
                   "gpus": self.holds() * self.spec.resources.gpus_per_node,
                   "queued_s": round(self.manager.dispatcher.queued_s.get(self.job_id, 0.0), 3)}
+        if self.preflight.summary:
+            status["preflight"] = self.preflight.summary
         if self.controller.loss is None and self.baseline.get("loss") is not None:
             # resumed and not stepped yet: the stored step is the better answer
             status.update(step=self.baseline.get("step", 0), loss=self.baseline["loss"])
@@ -102,12 +113,14 @@ class JobRunner:
 
     def _run(self) -> None:
         try:
-            self.controller.run()
+            if self.preflight.run():
+                self.controller.run()
         except Exception as err:
             logger.exception("job %s: controller crashed", self.job_id)
             self._on_event(stamp({"event": "state", "state": "FAILED", "job": self.job_id,
                                   "reason": f"controller error: {type(err).__name__}: {err}"}))
         finally:
+            self.preflight.release()
             if not self.detached:
                 try:
                     self.manager.store.save_status(self.job_id, self.status())

@@ -239,7 +239,7 @@ class JobManager:
             runners = [r for r in self.runners.values() if r.thread.is_alive()]
         for runner in runners:
             runner.detached = True
-            runner.controller.cancel()
+            runner.cancel()
         deadline = time.monotonic() + timeout_s
         for runner in runners:
             runner.thread.join(max(0.0, deadline - time.monotonic()))
@@ -275,7 +275,7 @@ class JobManager:
                 return
         runner = self.runners.get(job_id)
         if runner is not None:
-            runner.controller.cancel()
+            runner.cancel()
         logger.info("job %s: cancel requested (stored before acting on it)", job_id)
 
     def scale(self, job_id: str, nodes: int) -> None:
@@ -285,6 +285,12 @@ class JobManager:
             self.store.save_status(job_id, runner.status())  # a restart keeps the target
         except StoreError as err:
             logger.error("job %s: target nodes not stored: %s", job_id, err)
+
+    def profile(self, job_id: str, steps: int) -> dict[str, Any]:
+        """Every rank of the running job profiles its next `steps` steps (workers/profiling.py)."""
+        from tenax.orchestrator.job.profiling import request_profile
+
+        return request_profile(self.runners[job_id].controller, steps)
 
     @staticmethod
     def checkpoints(uri: str) -> list[dict[str, Any]]:

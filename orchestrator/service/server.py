@@ -200,6 +200,18 @@ class JobServicer(pb_grpc.JobServiceServicer):
         return self._message(request.job_id)
 
     @_rpc
+    def ProfileJob(self, request: pb.ProfileJobRequest,
+                   context: grpc.ServicerContext) -> pb.ProfileJobResponse:
+        self._active(request.job_id, "profile")
+        try:
+            asked = self.manager.profile(request.job_id, request.steps)
+        except ValueError as err:  # steps outside [1, 1000]; names the field
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        except RuntimeError as err:  # recovering or rescaling: no ranks to ask right now
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+        return pb.ProfileJobResponse(job_id=request.job_id, **asked)
+
+    @_rpc
     def WatchJob(self, request: pb.WatchJobRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         job_id = self._record(request.job_id).job_id

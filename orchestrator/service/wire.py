@@ -77,6 +77,7 @@ def job_message(record: JobRecord, status: dict[str, Any], target_nodes: int) ->
     if status.get("layout"):
         set_layout(msg.layout, status["layout"])
     _set_queue(msg, spec, record.state, status)
+    msg.preflight = str(status.get("preflight") or "")
     _set_time(msg.created_at, record.created_at)
     _set_time(msg.updated_at, record.updated_at)
     return msg
@@ -128,7 +129,7 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
             "goodput": job.goodput, "checkpoint_uri": job.checkpoint_uri,
             "priority": job.priority, "queue_position": job.queue_position,
             "waiting_for": job.waiting_for, "gpus": job.gpus,
-            "queued_seconds": job.queued_seconds,
+            "queued_seconds": job.queued_seconds, "preflight": job.preflight,
             "created_at": job.created_at.ToNanoseconds() / 1e9,
             "updated_at": job.updated_at.ToNanoseconds() / 1e9}
 

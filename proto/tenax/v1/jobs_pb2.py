@@ -25,41 +25,45 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tenax/v1/jobs.proto\x12\x08tenax.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"R\n\x06Layout\x12\n\n\x02\x64p\x18\x01 \x01(\x05\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\n\n\x02\x63p\x18\x04 \x01(\x05\x12\n\n\x02\x65p\x18\x05 \x01(\x05\x12\x0c\n\x04zero\x18\x06 \x01(\x05\"\x87\x04\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.tenax.v1.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12 \n\x06layout\x18\x07 \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\x08 \x01(\x05\x12\x10\n\x08restarts\x18\t \x01(\x05\x12\x12\n\nlost_steps\x18\n \x01(\x03\x12\r\n\x05\x63\x61use\x18\x0b \x01(\t\x12\x0f\n\x07goodput\x18\x0c \x01(\x01\x12\x16\n\x0e\x63heckpoint_uri\x18\r \x01(\t\x12\x14\n\x0ctarget_nodes\x18\x0e \x01(\x05\x12\x11\n\tspec_json\x18\x0f \x01(\t\x12.\n\ncreated_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08priority\x18\x12 \x01(\x05\x12\x16\n\x0equeue_position\x18\x13 \x01(\x05\x12\x13\n\x0bwaiting_for\x18\x14 \x01(\t\x12\x0c\n\x04gpus\x18\x15 \x01(\x05\x12\x16\n\x0equeued_seconds\x18\x16 \x01(\x01\x42\x07\n\x05_loss\"8\n\x10SubmitJobRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"k\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.tenax.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tenax.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"0\n\x0fScaleJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x05\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x80\x02\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04json\x18\x06 \x01(\t\x12!\n\x05state\x18\x07 \x01(\x0e\x32\x12.tenax.v1.JobState\x12\x11\n\x04loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12 \n\x06layout\x18\t \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\n \x01(\x05\x12\x0e\n\x06reason\x18\x0b \x01(\tB\x07\n\x05_loss\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa9\x01\n\x11\x43heckpointVersion\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12 \n\x06layout\x18\x04 \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\t\x12\x15\n\rmanifest_json\x18\x07 \x01(\t\"U\n\x17ListCheckpointsResponse\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12-\n\x08versions\x18\x02 \x03(\x0b\x32\x1b.tenax.v1.CheckpointVersion*\xfb\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_PLACING\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x04\x12\x17\n\x13JOB_STATE_RESCALING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x12\x14\n\x10JOB_STATE_QUEUED\x10\t2\xbc\x03\n\nJobService\x12\x36\n\tSubmitJob\x12\x1a.tenax.v1.SubmitJobRequest\x1a\r.tenax.v1.Job\x12\x30\n\x06GetJob\x12\x17.tenax.v1.GetJobRequest\x1a\r.tenax.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tenax.v1.ListJobsRequest\x1a\x1a.tenax.v1.ListJobsResponse\x12\x36\n\tCancelJob\x12\x1a.tenax.v1.CancelJobRequest\x1a\r.tenax.v1.Job\x12\x34\n\x08ScaleJob\x12\x19.tenax.v1.ScaleJobRequest\x1a\r.tenax.v1.Job\x12;\n\x08WatchJob\x12\x19.tenax.v1.WatchJobRequest\x1a\x12.tenax.v1.JobEvent0\x01\x12V\n\x0fListCheckpoints\x12 .tenax.v1.ListCheckpointsRequest\x1a!.tenax.v1.ListCheckpointsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tenax/v1/jobs.proto\x12\x08tenax.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"R\n\x06Layout\x12\n\n\x02\x64p\x18\x01 \x01(\x05\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\n\n\x02\x63p\x18\x04 \x01(\x05\x12\n\n\x02\x65p\x18\x05 \x01(\x05\x12\x0c\n\x04zero\x18\x06 \x01(\x05\"\x9a\x04\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.tenax.v1.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12 \n\x06layout\x18\x07 \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\x08 \x01(\x05\x12\x10\n\x08restarts\x18\t \x01(\x05\x12\x12\n\nlost_steps\x18\n \x01(\x03\x12\r\n\x05\x63\x61use\x18\x0b \x01(\t\x12\x0f\n\x07goodput\x18\x0c \x01(\x01\x12\x16\n\x0e\x63heckpoint_uri\x18\r \x01(\t\x12\x14\n\x0ctarget_nodes\x18\x0e \x01(\x05\x12\x11\n\tspec_json\x18\x0f \x01(\t\x12.\n\ncreated_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08priority\x18\x12 \x01(\x05\x12\x16\n\x0equeue_position\x18\x13 \x01(\x05\x12\x13\n\x0bwaiting_for\x18\x14 \x01(\t\x12\x0c\n\x04gpus\x18\x15 \x01(\x05\x12\x16\n\x0equeued_seconds\x18\x16 \x01(\x01\x12\x11\n\tpreflight\x18\x17 \x01(\tB\x07\n\x05_loss\"8\n\x10SubmitJobRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"k\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.tenax.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tenax.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"0\n\x0fScaleJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x05\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x80\x02\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04json\x18\x06 \x01(\t\x12!\n\x05state\x18\x07 \x01(\x0e\x32\x12.tenax.v1.JobState\x12\x11\n\x04loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12 \n\x06layout\x18\t \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\n \x01(\x05\x12\x0e\n\x06reason\x18\x0b \x01(\tB\x07\n\x05_loss\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa9\x01\n\x11\x43heckpointVersion\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12 \n\x06layout\x18\x04 \x01(\x0b\x32\x10.tenax.v1.Layout\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\t\x12\x15\n\rmanifest_json\x18\x07 \x01(\t\"U\n\x17ListCheckpointsResponse\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12-\n\x08versions\x18\x02 \x03(\x0b\x32\x1b.tenax.v1.CheckpointVersion\"2\n\x11ProfileJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x05\"d\n\x12ProfileJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\x03\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05ranks\x18\x05 \x01(\x05*\xfb\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_PLACING\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x04\x12\x17\n\x13JOB_STATE_RESCALING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x12\x14\n\x10JOB_STATE_QUEUED\x10\t2\x85\x04\n\nJobService\x12\x36\n\tSubmitJob\x12\x1a.tenax.v1.SubmitJobRequest\x1a\r.tenax.v1.Job\x12\x30\n\x06GetJob\x12\x17.tenax.v1.GetJobRequest\x1a\r.tenax.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tenax.v1.ListJobsRequest\x1a\x1a.tenax.v1.ListJobsResponse\x12\x36\n\tCancelJob\x12\x1a.tenax.v1.CancelJobRequest\x1a\r.tenax.v1.Job\x12\x34\n\x08ScaleJob\x12\x19.tenax.v1.ScaleJobRequest\x1a\r.tenax.v1.Job\x12;\n\x08WatchJob\x12\x19.tenax.v1.WatchJobRequest\x1a\x12.tenax.v1.JobEvent0\x01\x12V\n\x0fListCheckpoints\x12 .tenax.v1.ListCheckpointsRequest\x1a!.tenax.v1.ListCheckpointsResponse\x12G\n\nProfileJob\x12\x1b.tenax.v1.ProfileJobRequest\x1a\x1c.tenax.v1.ProfileJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tenax.v1.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1647
-  _globals['_JOBSTATE']._serialized_end=1898
+  _globals['_JOBSTATE']._serialized_start=1820
+  _globals['_JOBSTATE']._serialized_end=2071
   _globals['_LAYOUT']._serialized_start=66
   _globals['_LAYOUT']._serialized_end=148
   _globals['_JOB']._serialized_start=151
-  _globals['_JOB']._serialized_end=670
-  _globals['_SUBMITJOBREQUEST']._serialized_start=672
-  _globals['_SUBMITJOBREQUEST']._serialized_end=728
-  _globals['_GETJOBREQUEST']._serialized_start=730
-  _globals['_GETJOBREQUEST']._serialized_end=761
-  _globals['_LISTJOBSREQUEST']._serialized_start=763
-  _globals['_LISTJOBSREQUEST']._serialized_end=870
-  _globals['_LISTJOBSRESPONSE']._serialized_start=872
-  _globals['_LISTJOBSRESPONSE']._serialized_end=944
-  _globals['_CANCELJOBREQUEST']._serialized_start=946
-  _globals['_CANCELJOBREQUEST']._serialized_end=980
-  _globals['_SCALEJOBREQUEST']._serialized_start=982
-  _globals['_SCALEJOBREQUEST']._serialized_end=1030
-  _globals['_WATCHJOBREQUEST']._serialized_start=1032
-  _globals['_WATCHJOBREQUEST']._serialized_end=1084
-  _globals['_JOBEVENT']._serialized_start=1087
-  _globals['_JOBEVENT']._serialized_end=1343
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1345
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1385
-  _globals['_CHECKPOINTVERSION']._serialized_start=1388
-  _globals['_CHECKPOINTVERSION']._serialized_end=1557
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1559
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1644
-  _globals['_JOBSERVICE']._serialized_start=1901
-  _globals['_JOBSERVICE']._serialized_end=2345
+  _globals['_JOB']._serialized_end=689
+  _globals['_SUBMITJOBREQUEST']._serialized_start=691
+  _globals['_SUBMITJOBREQUEST']._serialized_end=747
+  _globals['_GETJOBREQUEST']._serialized_start=749
+  _globals['_GETJOBREQUEST']._serialized_end=780
+  _globals['_LISTJOBSREQUEST']._serialized_start=782
+  _globals['_LISTJOBSREQUEST']._serialized_end=889
+  _globals['_LISTJOBSRESPONSE']._serialized_start=891
+  _globals['_LISTJOBSRESPONSE']._serialized_end=963
+  _globals['_CANCELJOBREQUEST']._serialized_start=965
+  _globals['_CANCELJOBREQUEST']._serialized_end=999
+  _globals['_SCALEJOBREQUEST']._serialized_start=1001
+  _globals['_SCALEJOBREQUEST']._serialized_end=1049
+  _globals['_WATCHJOBREQUEST']._serialized_start=1051
+  _globals['_WATCHJOBREQUEST']._serialized_end=1103
+  _globals['_JOBEVENT']._serialized_start=1106
+  _globals['_JOBEVENT']._serialized_end=1362
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1364
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1404
+  _globals['_CHECKPOINTVERSION']._serialized_start=1407
+  _globals['_CHECKPOINTVERSION']._serialized_end=1576
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1578
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1663
+  _globals['_PROFILEJOBREQUEST']._serialized_start=1665
+  _globals['_PROFILEJOBREQUEST']._serialized_end=1715
+  _globals['_PROFILEJOBRESPONSE']._serialized_start=1717
+  _globals['_PROFILEJOBRESPONSE']._serialized_end=1817
+  _globals['_JOBSERVICE']._serialized_start=2074
+  _globals['_JOBSERVICE']._serialized_end=2591
 # @@protoc_insertion_point(module_scope)

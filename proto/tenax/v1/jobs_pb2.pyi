@@ -50,7 +50,7 @@ class Layout(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ..., ep: _Optional[int] = ..., zero: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "state", "step", "total_steps", "loss", "layout", "world_size", "restarts", "lost_steps", "cause", "goodput", "checkpoint_uri", "target_nodes", "spec_json", "created_at", "updated_at", "priority", "queue_position", "waiting_for", "gpus", "queued_seconds")
+    __slots__ = ("job_id", "name", "state", "step", "total_steps", "loss", "layout", "world_size", "restarts", "lost_steps", "cause", "goodput", "checkpoint_uri", "target_nodes", "spec_json", "created_at", "updated_at", "priority", "queue_position", "waiting_for", "gpus", "queued_seconds", "preflight")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class Job(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -95,7 +96,8 @@ class Job(_message.Message):
     waiting_for: str
     gpus: int
     queued_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., lost_steps: _Optional[int] = ..., cause: _Optional[str] = ..., goodput: _Optional[float] = ..., checkpoint_uri: _Optional[str] = ..., target_nodes: _Optional[int] = ..., spec_json: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., priority: _Optional[int] = ..., queue_position: _Optional[int] = ..., waiting_for: _Optional[str] = ..., gpus: _Optional[int] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
+    preflight: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., lost_steps: _Optional[int] = ..., cause: _Optional[str] = ..., goodput: _Optional[float] = ..., checkpoint_uri: _Optional[str] = ..., target_nodes: _Optional[int] = ..., spec_json: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., priority: _Optional[int] = ..., queue_position: _Optional[int] = ..., waiting_for: _Optional[str] = ..., gpus: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., preflight: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec_json", "overrides")
@@ -210,3 +212,25 @@ class ListCheckpointsResponse(_message.Message):
     uri: str
     versions: _containers.RepeatedCompositeFieldContainer[CheckpointVersion]
     def __init__(self, uri: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[CheckpointVersion, _Mapping]]] = ...) -> None: ...
+
+class ProfileJobRequest(_message.Message):
+    __slots__ = ("job_id", "steps")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    steps: int
+    def __init__(self, job_id: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class ProfileJobResponse(_message.Message):
+    __slots__ = ("job_id", "request", "location", "step", "ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    request: int
+    location: str
+    step: int
+    ranks: int
+    def __init__(self, job_id: _Optional[str] = ..., request: _Optional[int] = ..., location: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...

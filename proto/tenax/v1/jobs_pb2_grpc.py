@@ -69,6 +69,11 @@ class JobServiceStub:
                 request_serializer=tenax_dot_v1_dot_jobs__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=tenax_dot_v1_dot_jobs__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.ProfileJob = channel.unary_unary(
+                '/tenax.v1.JobService/ProfileJob',
+                request_serializer=tenax_dot_v1_dot_jobs__pb2.ProfileJobRequest.SerializeToString,
+                response_deserializer=tenax_dot_v1_dot_jobs__pb2.ProfileJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -122,6 +127,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileJob(self, request, context):
+        """Every rank of a RUNNING job records a torch.profiler trace of its next `steps` steps;
+        the job's `profile` event says when the traces are at `location`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +172,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=tenax_dot_v1_dot_jobs__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=tenax_dot_v1_dot_jobs__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ProfileJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileJob,
+                    request_deserializer=tenax_dot_v1_dot_jobs__pb2.ProfileJobRequest.FromString,
+                    response_serializer=tenax_dot_v1_dot_jobs__pb2.ProfileJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +368,33 @@ class JobService:
             '/tenax.v1.JobService/ListCheckpoints',
             tenax_dot_v1_dot_jobs__pb2.ListCheckpointsRequest.SerializeToString,
             tenax_dot_v1_dot_jobs__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tenax.v1.JobService/ProfileJob',
+            tenax_dot_v1_dot_jobs__pb2.ProfileJobRequest.SerializeToString,
+            tenax_dot_v1_dot_jobs__pb2.ProfileJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,198 @@
+"""Cold start: launch -> first step of `tenax run` vs torchrun on the same workload, and where
+Tenax's time goes; plus a killed rank -> resumed step (the warm restart must not get slower).
+
+    python -m bench.cold_start_bench [--quick] [--json PATH] [--worlds 2,4] [--reps R]
+
+Why side by side: a cold start on a shared host moves with its load, so only a ratio measured in
+one run means anything. The baseline is what a user would otherwise type: `torchrun` of a plain
+DDP script (this module's `plain_worker`: gloo, the same decoder, AdamW, random tokens).
+Tenax is `tenax run` with an embedded Ray, the same shape (Llama-like: dim 256, 4 layers, 8
+heads, vocab 512, seq 128, global batch 16, dp = world, ZeRO 0, one micro-batch per rank).
+Launch is the bench's clock just before the command starts; the first step is rank 0's wall
+clock at the end of step 1 (both sides stamp it the same way). Runs interleave (torchrun,
+Tenax, torchrun, ...) so load hits both alike; the figure is the median over reps of
+torchrun ÷ Tenax (goal >= 0.8). Each Tenax run's `done` event carries its `cold_start`
+breakdown (orchestrator/job/goodput_cold_start.py), reported as each phase's median share.
+The recovery row is the first Tenax run of the largest world (`--quick`: the smallest) run
+with `--chaos "kill rank=1 at=5"`: the failure event -> the first step after `recovered` (what
+a killed rank costs; it must not grow with cold-start work).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from tenax.testing.scripts import exit_unless_run_as_module
+
+exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
+
+logger = logging.getLogger(__name__)
+
+SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, seq_len=128,
+             ffn_hidden=688)
+GLOBAL_BATCH, STEPS, TIMEOUT_S = 16, 3, 600
+
+
+def plain_worker(steps: int, out: str) -> None:
+    """One torchrun rank: what a plain DDP script does before and at its first step."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tenax.parallel.config import ModelArgs
+    from tenax.parallel.model import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ModelArgs(**SHAPE)
+    model = DistributedDataParallel(build_model(cfg, seed=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(rank)
+    ends = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH // world, cfg.seq_len + 1),
+                               generator=gen)
+        loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, cfg.vocab_size).float(),
+                               tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        ends.append(time.time())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_end": ends}, f)
+    dist.destroy_process_group()
+
+
+def _env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")])), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+
+
+def run_torchrun(world: int, tmp: str) -> float:
+    """Launch -> rank 0's first step end of torchrun + the plain script."""
+    out = os.path.join(tmp, f"plain-{world}-{time.monotonic_ns()}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", "-m", "bench.cold_start_bench", "--plain-worker", out]
+    launched = time.time()
+    subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=TIMEOUT_S)
+    with open(out) as f:
+        return json.load(f)["step_end"][0] - launched
+
+
+def tenax_sets(world: int, tmp: str, steps: int) -> list[str]:
+    return [f"model.{k}={v}" for k, v in SHAPE.items()] + [
+        f"parallel.dp={world}", "parallel.zero=0",
+        f"parallel.micro_batch_size={GLOBAL_BATCH // world}",
+        f"train.global_batch_size={GLOBAL_BATCH}", f"train.steps={steps}",
+        "train.warmup_steps=0", "checkpoint.every_steps=5",
+        f"checkpoint.uri=file://{tempfile.mkdtemp(dir=tmp)}", "resources.device=cpu",
+        "resources.nodes=1", f"resources.gpus_per_node={world}", "name=coldstart"]
+
+
+def run_tenax(world: int, tmp: str, steps: int = STEPS,
+              chaos: str | None = None) -> tuple[float, list[dict[str, Any]]]:
+    """Launch -> rank 0's first step end of `tenax run`, and the run's events."""
+    log = os.path.join(tmp, f"tenax-{world}-{time.monotonic_ns()}.jsonl")
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", "--log-json", log]
+    for s in tenax_sets(world, tmp, steps):
+        cmd += ["--set", s]
+    if chaos:
+        cmd += ["--chaos", chaos]
+    launched = time.time()
+    subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=TIMEOUT_S)
+    with open(log) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    first = next(e for e in events if e["event"] == "step")
+    return first["time"] - launched, events
+
+
+def measure(world: int, reps: int, tmp: str, kill: bool = False) -> dict[str, Any]:
+    """`kill`: the first Tenax run is also the recovery case (its cold start counts alike: the
+    kill comes after step 5), which keeps `--quick` under two minutes."""
+    plain, tenax, phases, case = [], [], [], {}
+    for rep in range(reps):
+        plain.append(run_torchrun(world, tmp))
+        if kill and rep == 0:
+            seconds, events = run_tenax(world, tmp, steps=10, chaos="kill rank=1 at=5")
+            case = recovery(world, events)
+        else:
+            seconds, events = run_tenax(world, tmp)
+        tenax.append(seconds)
+        done = next(e for e in events if e["event"] == "done")
+        phases.append(done["cold_start"])
+        logger.info("world %d rep %d: torchrun %.2f s, tenax %.2f s", world, rep, plain[-1],
+                    tenax[-1])
+    ratios = [p / t for p, t in zip(plain, tenax)]
+    return {"world": world, "torchrun_s": plain, "tenax_s": tenax, "ratios": ratios,
+            "ratio": statistics.median(ratios), "cold_start": phases, "kill": case}
+
+
+def recovery(world: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A `kill rank=1` run's failure event -> the first step after `recovered`."""
+    failure = next(e for e in events if e["event"] == "failure")
+    recovered = next(e for e in events if e["event"] == "recovered")
+    resumed = next(e for e in events if e["event"] == "step" and e["time"] >= recovered["time"])
+    return {"world": world, "resume_s": resumed["time"] - failure["time"],
+            "controller_s": recovered["seconds"], "source": recovered["source"],
+            "lost_steps": recovered["lost_steps"]}
+
+
+def median_shares(breakdowns: list[dict[str, float]]) -> dict[str, float]:
+    from tenax.orchestrator.job.goodput_cold_start import durations
+
+    shares = [durations(b) for b in breakdowns]
+    return {p: statistics.median(s[p] for s in shares) for p in shares[0]}
+
+
+def report(cases: list[dict[str, Any]], kill: dict[str, Any], quick: bool,
+           json_path: str | None) -> None:
+    from bench.common import Report
+
+    rep = Report("Cold start: launch → first step, torchrun ÷ Tenax (embedded Ray), one run")
+    for case in cases:
+        w = case["world"]
+        rep.add(f"{w} ranks: torchrun ÷ Tenax", case["ratio"], ">= 0.8",
+                f"torchrun {statistics.median(case['torchrun_s']):.2f} s, Tenax "
+                f"{statistics.median(case['tenax_s']):.2f} s (medians of "
+                f"{len(case['ratios'])})")
+        for phase, seconds in median_shares(case["cold_start"]).items():
+            rep.add(f"  {w} ranks: {phase}", seconds, unit="s",
+                    note="share of Tenax's cold start (median)")
+    rep.add(f"{kill['world']} ranks: failure → resumed step", kill["resume_s"], unit="s",
+            note=f"controller {kill['controller_s']:.2f} s; from {kill['source']}, "
+            f"{kill['lost_steps']} step(s) lost")
+    rep.context = {"quick": quick, "cases": cases}
+    rep.finish(json_path)
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--plain-worker":  # a torchrun rank
+        plain_worker(STEPS, sys.argv[2])
+        return 0
+    from bench.common import parse_args
+
+    args = parse_args(__doc__, lambda p: (p.add_argument("--worlds", default="2,4"),
+                                          p.add_argument("--reps", type=int, default=0)))
+    worlds = [int(w) for w in args.worlds.split(",")]
+    reps = args.reps or (1 if args.quick else 3)
+    killed = min(worlds) if args.quick else max(worlds)
+    with tempfile.TemporaryDirectory(prefix="tenax-coldstart-") as tmp:
+        cases = [measure(w, reps, tmp, kill=w == killed) for w in worlds]
+    report(cases, next(c["kill"] for c in cases if c["kill"]), args.quick, args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
