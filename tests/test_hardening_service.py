@@ -121,6 +121,23 @@ def test_uris_are_normalised_before_the_root_check(tmp_path: Path) -> None:
         "s3://bucket/tenax/run1"
 
 
+def test_the_servers_own_state_is_not_a_jobs_storage(tmp_path: Path) -> None:
+    """The state dir is the default root, but its database and lock are the server's: a job
+    naming them (or the directory holding them) would write over or read the job store."""
+    state = tmp_path / "state"
+    state.mkdir()
+    roots = StorageRoots.default(str(state))
+    assert str(roots.check(f"file://{state}/ckpt/run1", "checkpoint.uri")) == \
+        f"file://{state.resolve()}/ckpt/run1"
+    for field, bad in (("checkpoint.uri", f"file://{state}"),
+                       ("checkpoint.uri", f"file://{state}/ckpt/../"),
+                       ("data.tokenizer", f"file://{state}/tenax.db"),
+                       ("logging.tensorboard_dir", f"file://{state}/tenax.db-wal"),
+                       ("data.source", f"{state}/lock")):
+        with pytest.raises(StorageRootError, match=f"{field}.*server's own state"):
+            roots.check(bad, field)
+
+
 def test_two_spellings_of_one_root_overlap(tmp_path: Path) -> None:
     a = f"file://{tmp_path}/ck"
     assert overlapping(a, f"{tmp_path}/x/../ck/") and overlapping(a, f"file://{tmp_path}//ck")

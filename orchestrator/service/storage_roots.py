@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from tenax.orchestrator.errors import StorageRootError
+from tenax.orchestrator.service.store import STATE_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,11 @@ def overlapping(a: str, b: str) -> bool:
 class StorageRoots:
     """The allow-list of one server: a URI is allowed when its normal form is under a root."""
 
-    def __init__(self, roots: Iterable[str]) -> None:
+    def __init__(self, roots: Iterable[str], reserved: Iterable[str] = ()) -> None:
+        # The server's own files (its job store, its lock): under the default root, yet a
+        # job's checkpoint.uri or tensorboard_dir naming them, or the directory holding them,
+        # would write beside or over the store, and a tokenizer naming them would read it.
+        self.reserved = [canonical_uri(uri, "reserved") for uri in reserved]
         self.roots: list[CanonicalUri] = []
         for root in roots:
             canon = canonical_uri(root, "--storage-root")
@@ -93,8 +98,11 @@ class StorageRoots:
 
     @classmethod
     def default(cls, state_dir: str, extra: Iterable[str] = ()) -> "StorageRoots":
-        """file:// under the state dir, plus what the operator listed."""
-        return cls([f"file://{os.path.realpath(state_dir)}", *extra])
+        """file:// under the state dir, plus what the operator listed; the server's own files
+        in the state dir (and the state dir itself) are refused."""
+        state = os.path.realpath(state_dir)
+        return cls([f"file://{state}", *extra],
+                   [f"file://{state}/{name}" for name in STATE_FILES])
 
     def check(self, uri: str, field: str) -> CanonicalUri:
         """The normal form of `uri` if it is under an allowed root; StorageRootError naming
@@ -105,6 +113,12 @@ class StorageRoots:
             raise StorageRootError(f"{field}: {_echo(uri)} (normalised {_echo(str(canon))}) is "
                                    f"outside the server's storage roots ({allowed}); the "
                                    f"operator can add one with tenax serve --storage-root")
+        for own in self.reserved:
+            if canon.within(own) or own.within(canon):
+                raise StorageRootError(f"{field}: {_echo(uri)} (normalised "
+                                       f"{_echo(str(canon))}) holds the server's own state "
+                                       f"({own}); give a directory of its own under the "
+                                       f"state dir")
         return canon
 
     def check_spec(self, spec: Any) -> None:

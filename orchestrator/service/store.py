@@ -35,6 +35,9 @@ from tenax.orchestrator.errors import StoreError
 logger = logging.getLogger(__name__)
 
 DB_NAME = "tenax.db"
+LOCK_NAME = "lock"
+# Every file this store keeps in its state dir (jobs may not name them: StorageRoots)
+STATE_FILES = (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", LOCK_NAME)
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STEP_EVERY, STEP_TAIL = 50, 200
 CANCEL_REQUESTED = "cancel_requested"  # event kind of a persisted CancelJob
@@ -336,7 +339,7 @@ def _own_state_dir(state_dir: Path) -> Any:
     Two servers on one state dir would each resume the same jobs. The kernel drops the lock
     when the holder dies, even by SIGKILL, so a restart never finds a stale lock.
     """
-    handle = open(state_dir / "lock", "a+")
+    handle = open(state_dir / LOCK_NAME, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
