@@ -113,7 +113,8 @@ class Dispatcher:
                 self.thread.start()
 
     def _loop(self) -> None:
-        while not self.manager.stopping.is_set():
+        # A closed store means its server is gone (or a test ended): passes would only fail.
+        while not self.manager.stopping.is_set() and not self.manager.store.closed:
             try:
                 self.tick()
                 self.manager.housekeeping()  # rate-limited: finished records past the cap

@@ -109,6 +109,7 @@ class JobStore:
         self._next_seq: dict[str, int] = {}
         self._steps_since_prune: dict[str, int] = {}
         self._owner: Any = None
+        self.closed = False  # set by close: the scheduler's loop ends with its store
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if exclusive:
@@ -133,6 +134,7 @@ class JobStore:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             self._db.close()
             if self._owner is not None:
                 self._owner.close()  # releases the flock
