@@ -3,27 +3,16 @@ scheduler admits it and before its long run; `required: true` and a failing row 
 with the failing rows as its cause; the verdict stays in the job's status (`tenax status`)."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 from tenax.proto import jobs_pb2 as pb
 from tenax.testing.jobs import job_overrides
 from tests.service_helpers import of, states, stub, submit, watch
+from tests.test_preflight import token_file
 
 pytestmark = pytest.mark.timeout(600)
 ONE_NODE = ["resources.nodes=1", "resources.min_nodes=1", "resources.max_nodes=1",
             "resources.gpus_per_node=2"]
-
-
-def token_file(path: Path, n: int, bad_at: int | None = None) -> Path:
-    """A flat uint16 token file of ids in [0, 64), one id 100 at `bad_at`."""
-    tokens = (np.arange(n) * 7 % 64).astype("<u2")
-    if bad_at is not None:
-        tokens[bad_at] = 100
-    path.write_bytes(tokens.tobytes())
-    return path
 
 
 @pytest.fixture(scope="module")
