@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from tenax.testing.jobs import run_cli
-from tenax.workers.profiling import parse_profile_steps, profile_location
+from tenax.workers.diagnostics import diagnostics_location
+from tenax.workers.profiling import parse_profile_steps
 
 
 @pytest.mark.parametrize("text", ["5:3", "a:b", "3", "1:2:3", "0:4", "1.5:2", ""])
@@ -37,7 +38,7 @@ def test_the_spec_key_checks_the_window():
 
 
 def test_the_location_sits_beside_the_hang_evidence():
-    assert profile_location("file:///c/ckpt/", 0.0) == \
+    assert diagnostics_location("file:///c/ckpt/", "profile", 0.0) == \
         "file:///c/ckpt/diagnostics/19700101T000000Z-profile"
 
 

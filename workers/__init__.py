@@ -14,8 +14,8 @@
 - Hang evidence (workers/diagnostics.py): `dump_stacks` (an agent asks its training process
   for every thread's stack), `read_stacks`, `diagnose` -> `Diagnosis` (the odd rank out);
   a straggler's samples: `join_samples`, `read_evidence` (each rank's role), `place_shares`,
-  `compare_roles`. Profiling a window of steps (workers/profiling.py): `parse_profile_steps`,
-  `profile_location`.
+  `compare_roles`; where evidence and profiles go: `diagnostics_location`. Profiling a window
+  of steps (workers/profiling.py): `parse_profile_steps`.
 - Experiment tracking: the sub-package `tenax.workers.tracking` (TensorBoard, W&B).
 - The validation loop (`data.validation`) is `tenax.workers.evaluation` (`Validator`,
   `EvalResult`, the `eval` event): like the data loader, a training process's module (torch).
@@ -44,9 +44,10 @@ _MODULES = {
     "chaos_injector": ("ChaosEvent", "ChaosInjector", "RankChaos"),
     "preflight_links": ("LinkProbe", "LinkTask"),
     "events": ("Event", "human", "layout_text", "stamp"),
-    "diagnostics": ("EVIDENCE_FILE", "Diagnosis", "compare_roles", "diagnose", "dump_stacks",
-                    "join_samples", "place_shares", "read_evidence", "read_stacks"),
-    "profiling": ("parse_profile_steps", "profile_location"),
+    "diagnostics": ("EVIDENCE_FILE", "Diagnosis", "compare_roles", "diagnose",
+                    "diagnostics_location", "dump_stacks", "join_samples", "place_shares",
+                    "read_evidence", "read_stacks"),
+    "profiling": ("parse_profile_steps",),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

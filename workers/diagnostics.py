@@ -34,6 +34,13 @@ _THREAD = re.compile(r"^(Current thread|Thread) (?P<id>0x[0-9a-f]+)")
 TRAINING_ENTRY = ("run_rank", "_child_main", "_rank_process")
 
 
+def diagnostics_location(checkpoint_uri: str, cause: str, now: float | None = None) -> str:
+    """`<checkpoint.uri>/diagnostics/<YYYYmmddTHHMMSSZ>-<cause>`: hang and straggler evidence,
+    profiles."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    return f"{checkpoint_uri.rstrip('/')}/diagnostics/{stamp}-{cause or 'failure'}"
+
+
 def stack_file(pid: int) -> str:
     """Where training process `pid` writes its stacks (its agent shares the host)."""
     return os.path.join(tempfile.gettempdir(), f"tenax-stacks-{pid}.txt")

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Any
 
+from tenax.workers.diagnostics import diagnostics_location
+
 logger = logging.getLogger(__name__)
 
 TRACE_NAME = "rank-{rank}.trace.json"
@@ -57,12 +59,6 @@ def agreed_time(now: float) -> float:
     return float(t.item())
 
 
-def profile_location(checkpoint_uri: str, when: float) -> str:
-    """`<checkpoint.uri>/diagnostics/<YYYYmmddTHHMMSSZ>-profile` (the hang evidence's form)."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
-    return f"{checkpoint_uri.rstrip('/')}/diagnostics/{stamp}-profile"
-
-
 class StepProfiler:
     """Profiles the steps `first`..`last` of this rank; `before_step`/`after_step` around each
     step of the rank loop, `close` when the loop ends (drops an unfinished window)."""
@@ -75,7 +71,7 @@ class StepProfiler:
         # a request's id is the epoch milliseconds the controller asked at: it names the
         # location, which the controller can then tell its caller before any rank starts
         self.request = request
-        self.location = profile_location(checkpoint_uri, request / 1000) if request else ""
+        self.location = diagnostics_location(checkpoint_uri, "profile", request / 1000) if request else ""
         self.began_at, self.began_step = 0.0, 0
 
     @classmethod
@@ -94,7 +90,7 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         if not self.request:
-            self.location = profile_location(self.uri, agreed_time(time.time()))
+            self.location = diagnostics_location(self.uri, "profile", agreed_time(time.time()))
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)

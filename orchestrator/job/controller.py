@@ -40,7 +40,7 @@ from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery, Rescaling
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
-from tenax.orchestrator.job.health_evidence import straggler_evidence
+from tenax.orchestrator.job.health_evidence import publish_stragglers
 from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
                                           ScaleRequest)
 from tenax.orchestrator.job.job_policy import (Capacity, JobAction, JobDecision, JobSnapshot,
@@ -220,11 +220,7 @@ class Controller:
         records = self.group.poll(interval)
         self._account(records)
         self.new_flags = tuple(self.stragglers.observe(records, self.layout.world_size))
-        evidence = straggler_evidence(self.group, self.spec, self.new_flags,
-                                      self.stragglers.scores, self.stragglers.flagged)
-        for flag in self.new_flags:  # the stacks are sampled in the background (evidence)
-            self.publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
-                         node=self.group.ranks[flag.rank].node_id, **evidence)
+        publish_stragglers(self.group, self.spec, self.new_flags, self.stragglers, self.publish)
         for observe in self.observers:
             observe(self, records)
         return records

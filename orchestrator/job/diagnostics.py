@@ -9,20 +9,15 @@ not answer in time gets a file saying so, and any error here is a warning, not a
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
+
+from tenax.workers import diagnostics_location
 
 logger = logging.getLogger(__name__)
 
 AGENT_DUMP_S = 2.0  # what each agent waits for its training process to finish the dump
 NO_ANSWER = "(no stacks: the rank's agent did not answer within {:.0f} s)\n"
 NOT_DUMPED = "(no stacks: the training process wrote none; it may have exited)\n"
-
-
-def diagnostics_location(checkpoint_uri: str, cause: str, now: float | None = None) -> str:
-    """`<checkpoint.uri>/diagnostics/<YYYYmmddTHHMMSSZ>-<cause>`."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
-    return f"{checkpoint_uri.rstrip('/')}/diagnostics/{stamp}-{cause or 'failure'}"
 
 
 def ask_agents(ranks: list[Any], timeout_s: float) -> dict[int, str]:

@@ -22,10 +22,10 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from tenax.orchestrator.job.diagnostics import AGENT_DUMP_S, diagnostics_location
-from tenax.workers import EVIDENCE_FILE, join_samples
+from tenax.orchestrator.job.diagnostics import ask_agents
+from tenax.workers import EVIDENCE_FILE, diagnostics_location, join_samples
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,20 @@ def straggler_evidence(group: Any, spec: Any, flags: Sequence[Any],
     return {"diagnostics": location}
 
 
+def publish_stragglers(group: Any, spec: Any, flags: Sequence[Any], tracker: Any,
+                       publish: Callable[..., None]) -> None:
+    """A `straggler` event per new flag, each naming the evidence sampled in the background."""
+    evidence = straggler_evidence(group, spec, flags, tracker.scores, tracker.flagged)
+    for flag in flags:
+        publish("straggler", rank=flag.rank, score=flag.score, action=flag.action,
+                node=group.ranks[flag.rank].node_id, **evidence)
+
+
 def sample_agents(handles: Sequence[Any], deadline_s: float, samples: int = SAMPLES,
                   gap_s: float = SAMPLE_GAP_S) -> dict[int, list[tuple[float, str]]]:
-    """rank -> (seconds since the start, stack text) per sample; every rank asked at once each
-    round, rounds `gap_s` apart, until `samples` rounds or the deadline."""
-    import ray
-
+    """rank -> (seconds since the start, stack text) per sample: the hang evidence's one round
+    of asking every agent at once (`ask_agents`), repeated `gap_s` apart until `samples`
+    rounds or the deadline."""
     start = time.monotonic()
     out: dict[int, list[tuple[float, str]]] = {h.rank: [] for h in handles}
     for _ in range(samples):
@@ -78,27 +86,10 @@ def sample_agents(handles: Sequence[Any], deadline_s: float, samples: int = SAMP
         if left <= 0:
             break
         at = time.monotonic() - start
-        refs = {h.rank: h.actor.dump_stacks.remote(min(AGENT_DUMP_S, left))
-                for h in handles if h.dead is None}
-        if not refs:
-            break
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
-        for rank, ref in refs.items():
-            out[rank].append((at, answer(ref, ready)))
+        for rank, text in ask_agents(list(handles), left).items():
+            out[rank].append((at, text))
         time.sleep(gap_s)
     return out
-
-
-def answer(ref: Any, ready: list[Any]) -> str:
-    """One agent's stack text, or a line saying why there is none."""
-    import ray
-
-    if ref not in ready:
-        return "(no stacks: the rank's agent did not answer in time)\n"
-    try:
-        return ray.get(ref, timeout=0)["text"] or "(no stacks: the training process wrote none)\n"
-    except Exception as err:  # a dead agent answers with its error: that is the evidence
-        return f"(no stacks: {type(err).__name__}: {err})\n"
 
 
 def keep_samples(handles: Sequence[Any], location: str, meta: dict[str, Any],

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from tenax.workers import profile_location
+from tenax.workers import diagnostics_location
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def request_profile(controller: Any, steps: int, timeout_s: float = 10.0) -> dic
     if len(handles) < len(group.ranks) or not all(answered):
         raise ProfileUnavailable(f"job {controller.job_id}: not every rank's training process "
                                  "is running; ask again once it runs")
-    location = profile_location(controller.spec.checkpoint.uri, request / 1000)
+    location = diagnostics_location(controller.spec.checkpoint.uri, "profile", request / 1000)
     logger.info("job %s: profiling the next %d step(s) from step %d into %s",
                 controller.job_id, steps, controller.step, location)
     return {"request": request, "location": location, "step": controller.step,
