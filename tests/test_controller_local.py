@@ -264,3 +264,74 @@ def test_an_agent_answers_a_wait_for_its_training_process_as_soon_as_it_ends():
     assert ray.get(agent.heartbeat.remote(), timeout=60)["state"] == "failed"
     assert ray.get(agent.wait_ended.remote(1, 0.1), timeout=60) is True  # and stays ended
     ray.kill(agent, no_restart=True)
+
+
+def _training_parents(job: JobRun, seen: dict) -> bool:
+    """Once the job has (re)started its ranks: their agents' pids and their training processes'
+    parents (the forkserver they forked from) into `seen`."""
+    import psutil
+
+    group = job.controller.group
+    if group is None or job.controller.step < 1:
+        return False
+    seen["agents"] = {h.pid for h in group.ranks}
+    try:
+        seen["parents"] = {psutil.Process(h.status["child_pid"]).ppid() for h in group.ranks}
+    except (KeyError, TypeError, psutil.NoSuchProcess):
+        return False
+    return True
+
+
+def test_the_zygote_adopts_the_forkserver_its_launcher_started_on_its_node(tmp_path, clean):
+    """`tenax run` with an embedded Ray starts the node's forkserver before Ray, so the imports
+    overlap Ray's start; the zygote on that node serves it instead of starting its own."""
+    from dataclasses import asdict
+
+    import ray
+
+    from tenax.workers import PRELOAD, NodeForkServer
+
+    server = NodeForkServer(PRELOAD)
+    try:
+        adopt = {"node_id": ray.get_runtime_context().get_node_id(),
+                 "endpoint": asdict(server.endpoint)}
+        spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1",
+                                    "resources.gpus_per_node=2"])
+        job = JobRun(spec, forkserver=adopt).start()
+        seen: dict = {}
+        job.wait_for(lambda: _training_parents(job, seen), 300, "the ranks forked")
+        job.finish(300)
+    finally:
+        server.close()
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    assert seen["parents"] == {server.endpoint.pid}
+    assert_same_losses(job.losses(), clean.losses())
+
+
+def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path, clean):
+    """Every training process of a node block forks from the block's zygote; when the zygote's
+    process dies, its forkserver and the ranks forked from it die with it, Ray starts the zygote
+    again (one import), and the agents — untouched, snapshots and all — fork from the new one."""
+    import os
+    import signal
+
+    import ray
+
+    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2"])
+    job = JobRun(spec).start()
+    job.wait_for(lambda: job.controller.step >= 5, 300, "step 5")
+    zygote = job.controller.group.blocks[0]["zygote"]
+    old = ray.get(zygote.endpoint.remote(60), timeout=90)
+    agents = {h.pid for h in job.controller.group.ranks}
+    os.kill(ray.get(zygote.pid.remote(), timeout=60), signal.SIGKILL)
+    seen: dict = {}
+    job.wait_for(lambda: bool(job.of("recovered")) and _training_parents(job, seen), 300,
+                 "the ranks forked again")
+    new = ray.get(zygote.endpoint.remote(60), timeout=90)
+    job.finish(300)
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    recovered = job.of("recovered")[0]
+    assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1, recovered
+    assert seen["agents"] == agents  # the same agents, with the snapshots they held
+    assert new["pid"] != old["pid"] and seen["parents"] == {new["pid"]}  # the new zygote's
+    assert_same_losses(job.losses(), clean.losses())

@@ -272,7 +272,7 @@ def test_a_training_process_imports_nothing_past_the_forkserver_preload(tmp_path
     an in-memory snapshot, then resumes, and lists what that imported past the preload."""
     script = textwrap.dedent(f"""
         import importlib, os, sys
-        from tenax.workers.worker import PRELOAD
+        from tenax.workers.zygote import PRELOAD
         from tenax.workers.memory_options import MemoryOptions
         from tenax.workers.rank import RankOptions, run_rank
         from tenax.workers.rendezvous import free_port

@@ -261,9 +261,10 @@ def test_real_kill_shows_rank_down_then_recovery(tmp_path: Any) -> None:
         restarts = sum(s.value for s in families["tenax_job_restarts"].samples)
         seen.append({"up": up, "restarts": restarts})
 
-    with ray_session(None, spec):
+    with ray_session(None, spec) as forkserver:
         options = ControllerOptions(chaos=parse_chaos("kill rank=1 at=20"),
-                                    on_event=lambda e: [cb(e) for cb in sink.extra])
+                                    on_event=lambda e: [cb(e) for cb in sink.extra],
+                                    forkserver=forkserver)
         controller = Controller(spec, options)
         attach(collector, controller, sink)
         controller.add_observer(record)  # after the metrics observer

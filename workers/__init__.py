@@ -2,9 +2,11 @@
 
 - The job spec: the pydantic `JobSpec` and its sections, `load_spec`, `spec_from_dict`,
   `parse_spec_text`, `apply_overrides`, `layout_from_spec`; model presets (`PRESETS`,
-  `preset_model`); `SpecError` (workers/errors.py: every exception of this layer).
+  `preset_model`); `SpecError`, `ZygoteError` (workers/errors.py: every exception of this layer).
 - The rank agent: `RankWorker`, the Ray actor that owns one rank slot and forks its training
-  process; `RankRun`, what it is told to start; `RankStatus`, what it reports.
+  process; `RankRun`, what it is told to start; `RankStatus`, what it reports; `Zygote`, the
+  Ray actor per node block whose forkserver every training process there forks from;
+  `NodeForkServer` (one a launcher starts before its embedded Ray), `PRELOAD` (what it imports).
 - The rank loop: `run_rank(RankOptions, RankHooks)` (workers/rank.py), the per-rank training
   loop both the agents and the local launcher (workers/launch.py) run; `FaultHook`;
   `MemoryOptions`, the in-memory snapshots the placement decided on.
@@ -35,8 +37,9 @@ _MODULES = {
              "cross_field_problems", "format_validation_error"),
     "data": ("prepare_token_file",),
     "presets": ("PRESETS", "preset_model"),
-    "errors": ("SpecError",),
+    "errors": ("SpecError", "ZygoteError"),
     "worker": ("RankWorker", "RankRun", "RankStatus"),
+    "zygote": ("Zygote", "NodeForkServer", "PRELOAD"),
     "rank": ("RankOptions", "RankHooks", "FaultHook", "run_rank"),
     "memory_options": ("MemoryOptions",),
     "snapshot_keeper": ("ReplicaTerms",),

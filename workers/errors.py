@@ -9,8 +9,12 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpecError"]
+__all__ = ["SpecError", "ZygoteError"]
 
 
 class SpecError(ValueError):
     """A job spec that cannot run; the message names every bad field and its value."""
+
+
+class ZygoteError(RuntimeError):
+    """A node's zygote could not start its forkserver (its agents fork from their own then)."""

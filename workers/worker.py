@@ -1,7 +1,8 @@
 """RankWorker: the Ray actor that owns one rank slot — an agent around a training process.
 
 The actor is long-lived; the rank's training runs in a *child process* forked from a
-forkserver that has torch and Tenax preloaded. Why:
+forkserver that has torch and Tenax preloaded, one per node block (its zygote,
+workers/zygote.py). Why:
 - Fast recovery: when any rank fails, the survivors' children are killed at once (a gloo
   collective whose peer died would otherwise block until its timeout), and new children fork
   in well under a second with torch already imported — no new actor, no new interpreter. Only
@@ -34,27 +35,10 @@ from tenax.workers.chaos_injector import RankChaos
 from tenax.workers.diagnostics import arm_stack_dump, dump_stacks, forget_stacks
 from tenax.workers.memory_options import MemoryOptions
 from tenax.workers.snapshot_keeper import ReplicaTerms, SnapshotKeeper
+from tenax.workers.zygote import ForkSource
 
 logger = logging.getLogger(__name__)
 NODE_IP_TIMEOUT_S = 10.0
-
-# "ray": each forked child re-runs its parent's main script (Ray's default_worker.py, which
-# imports ray) as __mp_main__; with ray already imported that costs ~5 ms instead of ~0.5 s
-# on every (re)start — the largest single piece of a warm recovery before this was preloaded.
-# The checkpoint modules (torch.distributed.checkpoint under them) are another ~0.1 s each time,
-# and this module (the child's entry point, unpickled by reference) 20 ms of every restart.
-# Everything a training process imports, so that a restarted rank imports nothing: the modules
-# imported lazily (inside functions, to keep the layers' import order) cost every new process
-# ~0.06 s of CPU before its first step (numpy.ma alone, pulled in by np.unique, ~0.04 s).
-# tests/test_imports.py checks that a train-and-resume imports nothing past this list.
-PRELOAD = ["tenax.workers.import_pause", "ray", "torch", "torch.distributed",
-           "torch.distributed.tensor.debug", "numpy.ma", "fsspec.implementations.chained",
-           "tenax.workers.rank", "tenax.workers.trainer", "tenax.workers.events",
-           "tenax.parallel.parallel_model", "tenax.parallel.expert_parallel",
-           "tenax.checkpoint.manager", "tenax.checkpoint.load.reshard",
-           "tenax.checkpoint.memory.snapshot", "tenax.checkpoint.memory.restore",
-           "tenax.checkpoint.save.plan_codec", "tenax.workers.worker",
-           "tenax.workers.evaluation"]
 
 
 @dataclass
@@ -143,44 +127,32 @@ class RankWorker:
     """Ray actor body (made remote in `tenax.orchestrator.placement.worker_group` with its
     slot's resources)."""
 
-    def __init__(self) -> None:
+    def __init__(self, zygote: Any = None) -> None:
+        """`zygote`: the node block's `Zygote` actor its training processes fork from (None:
+        a forkserver of this agent's own)."""
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # notified when a training process ends
         self._ended_attempt = 0  # the newest attempt whose training process has ended
         self._status = RankStatus(rank=-1)
         self._events: list[dict[str, Any]] = []
         self._proc: Any = None
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
         self._ledger: Any = None
         self._warmed: Any = None  # the ledger this agent has called already (see start)
         self._control: Any = None
         self._attempt = 0
         self._plan: str | None = None  # the newest save plan a training process handed over
         self.snapshots = SnapshotKeeper()
-        self._warm = threading.Event()  # set when the forkserver has imported PRELOAD
-        self._warm_at = 0.0  # wall time it was set
         # What the agent imported (ray, the snapshot code) lives as long as it does: a full
         # collection walks all of it whenever one falls due, a recovery's verification or
         # assembly included. Frozen, it is skipped.
         gc.freeze()
-        threading.Thread(target=self._warm_up, daemon=True).start()
-
-    def _warm_up(self) -> None:
-        """Start the forkserver now, so its imports overlap placement, not recovery."""
-        proc = self._ctx.Process(target=time.sleep, args=(0,), daemon=True)
-        try:
-            proc.start()  # returns once the forkserver has imported PRELOAD and forked
-            self._warm_at = time.time()
-        finally:
-            self._warm.set()  # a failed warm-up: `start` reports it, not this wait
-        proc.join(timeout=120)
+        self._forks = ForkSource(zygote)
 
     def forkserver_ready(self, timeout_s: float) -> float:
-        """Wall time this agent's forkserver was ready (waits up to `timeout_s` for it; the
-        time of asking when it is not ready by then): the cold start's `forkservers_ready`."""
-        self._warm.wait(timeout_s)
-        return self._warm_at or time.time()
+        """Wall time the forkserver this agent forks from was ready (waits up to `timeout_s`;
+        the time of asking when it is not ready by then): the cold start's
+        `forkservers_ready`."""
+        return self._forks.ready_at(timeout_s)
 
     # ---- identity and rendezvous -------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -232,17 +204,14 @@ class RankWorker:
         memory = MemoryOptions(self.snapshots.local_dir, every_steps=run.snapshot_every,
                                generation=run.generation, restore_uri=run.restore_uri,
                                replicated=run.peer is not None, plan=self._plan)
-        parent, child = self._ctx.Pipe()
-        control_read, self._control = self._ctx.Pipe(duplex=False)
+        parent, child = mp.Pipe()
+        control_read, self._control = mp.Pipe(duplex=False)
         # The ledger is a Ray handle, which only works in this (Ray worker) process: the child
         # asks us to claim chaos events over the pipe instead.
         chaos = replace(run.chaos, ledger=None) if run.chaos is not None else None
-        proc = self._ctx.Process(target=_child_main,
-                                 args=(replace(run, chaos=chaos, peer=None, replicas=None),
-                                       memory, child,
-                                       control_read),
-                                 daemon=True, name=f"tenax-rank-{run.rank}")
-        proc.start()
+        proc = self._forks.start(_child_main, (replace(run, chaos=chaos, peer=None, replicas=None),
+                                               memory, child, control_read),
+                                 name=f"tenax-rank-{run.rank}")
         child.close()
         control_read.close()
         with self._lock:

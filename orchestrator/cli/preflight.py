@@ -42,7 +42,7 @@ def failure_cause(report: Any) -> str:
 
 
 def preflight_gate(spec: Any, forced: bool, sink: Callable[[dict[str, Any]], None],
-                   console: Any) -> str | None:
+                   console: Any, forkserver: dict[str, Any] | None = None) -> str | None:
     """Before `tenax run` starts the job: the preflight, when `forced` (--preflight) or the
     spec has `preflight:`. The cause to stop on, when it failed and is required (--preflight
     or preflight.required); else None (the job runs)."""
@@ -54,7 +54,7 @@ def preflight_gate(spec: Any, forced: bool, sink: Callable[[dict[str, Any]], Non
         return None
     try:
         report = run_preflight(spec, None, lambda kind, f: sink(Event.make(kind, **f).to_dict()),
-                               sigterm_interrupts)
+                               sigterm_interrupts, forkserver=forkserver)
     except PreflightInterrupted as err:
         return str(err)
     print_report(report, console)
@@ -82,8 +82,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec, args.overrides)
     try:
-        with ray_session(args.address, spec):
-            report = run_preflight(spec, args.steps, guard=sigterm_interrupts)
+        with ray_session(args.address, spec) as forkserver:
+            report = run_preflight(spec, args.steps, guard=sigterm_interrupts,
+                                   forkserver=forkserver)
             report.release()  # no job follows
     except PreflightInterrupted as err:
         Console(stderr=True).print(f"Preflight not finished: {escape(str(err))}.")

@@ -88,7 +88,8 @@ class Controller:
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
         # Placing and starting actors on a loaded host can take longer than a step may hang;
         # it gets the same allowance as a rank that is still starting.
-        self.placer = Placer(self.job_id, spec, self.timeouts.startup_s, self.goodput.cold_start)
+        self.placer = Placer(self.job_id, spec, self.timeouts.startup_s, self.goodput.cold_start,
+                             forkserver=options.forkserver)
         ft = spec.fault_tolerance
         self.stragglers = StragglerTracker(ft.straggler_threshold, ft.straggler_action,
                                            self.timeouts.heartbeat_interval_s)

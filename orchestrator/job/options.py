@@ -37,3 +37,6 @@ class ControllerOptions:
     # Wall time the cold-start breakdown counts from (`tenax run`: the process's start, so Ray's
     # start is in it); None: the controller's construction.
     launched_at: float | None = None
+    # A forkserver the launcher started on its own node before an embedded Ray ({"node_id",
+    # "endpoint"}): the zygote on that node adopts it (workers/zygote.py); None: each starts one.
+    forkserver: dict[str, Any] | None = None

@@ -41,8 +41,9 @@ class Placed:
 
 class Placer:
     def __init__(self, job_id: str, spec: Any, timeout_s: float,
-                 marks: PhaseMarks | None = None) -> None:
+                 marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None) -> None:
         self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
+        self.forkserver = forkserver  # one the launcher started (ControllerOptions.forkserver)
         self.marks = marks  # the cold start's placement phases go here (None: not measured)
         self.gpus_per_node = spec.resources.gpus_per_node
         self.generation = 0
@@ -85,7 +86,8 @@ class Placer:
             if group is not None and requested else None
         notice = self._plan_memory(layout)
         self.generation += 1
-        group = group or WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks)
+        group = group or WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks,
+                                     forkserver=self.forkserver)
         run = (layout, chaos, prepared)
         try:
             reuse, source = self._create_and_start(group, *run)
@@ -98,7 +100,8 @@ class Placer:
             logger.warning("job %s: warm re-join failed (%s); falling back to a cold start",
                            self.job_id, err)
         group.shutdown()
-        group = WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks)
+        group = WorkerGroup(self.job_id, self.gpus_per_node, marks=self.marks,
+                                     forkserver=self.forkserver)
         try:
             reuse, source = self._create_and_start(group, *run)
         except PLACEMENT_ERRORS:

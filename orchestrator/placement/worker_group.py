@@ -29,12 +29,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tenax.orchestrator.errors import PlacementError
 from tenax.orchestrator.placement.recovery import MemoryStart
 from tenax.parallel import ParallelLayout
-from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms
+from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms, Zygote
 
 logger = logging.getLogger(__name__)
 
 
 AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
+ZYGOTE_RESTARTS = 3  # a zygote whose process died comes back (one import) this many times
 WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
 WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
 
@@ -80,8 +81,9 @@ class RankHealth:
 
 class WorkerGroup:
     def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5,
-                 marks: PhaseMarks | None = None) -> None:
+                 marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None) -> None:
         self.job_id, self.gpus_per_node, self.cpus_per_rank = job_id, gpus_per_node, cpus_per_rank
+        self.forkserver = forkserver  # the launcher's, for the zygote on its node to adopt
         self.marks = marks  # the cold start's phases; None: not measured
         self.forkservers_timed = False  # their readiness is asked once: the cold start's
         self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
@@ -107,7 +109,8 @@ class WorkerGroup:
             self._replace_dead(block)
         new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
         for block in new:  # Ray holds them until their bundles are reserved: their processes
-            block["slots"] = [self._new_actor(block["pg"], i) for i in range(g)]  # start sooner
+            block["zygote"] = self._new_zygote(block["pg"])  # start sooner
+            block["slots"] = [self._new_actor(block, i) for i in range(g)]
         ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
         if len(ready) < len(new):
             for block in new:  # not in self.blocks yet: release them here or they leak GPUs
@@ -132,24 +135,35 @@ class WorkerGroup:
         pg = placement_group([dict(bundle) for _ in range(self.gpus_per_node)],
                              strategy="STRICT_PACK",
                              name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
-        return {"pg": pg, "slots": [], "lost": False, "index": index}
+        return {"pg": pg, "slots": [], "lost": False, "index": index, "zygote": None}
 
-    def _new_actor(self, pg: Any, index: int) -> RankHandle:
+    def _new_zygote(self, pg: Any) -> Any:
+        """The block's forkserver (workers/zygote.py): no resources of its own, on the block's
+        node; Ray restarts it if its process dies (the agents ask it again)."""
+        return ray.remote(Zygote).options(
+            num_cpus=0, num_gpus=0, max_restarts=ZYGOTE_RESTARTS, max_concurrency=AGENT_THREADS,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0)).remote(adopt=self.forkserver)
+
+    def _new_actor(self, block: dict[str, Any], index: int) -> RankHandle:
         actor = ray.remote(RankWorker).options(
             num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=AGENT_THREADS,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=index)).remote()
+                placement_group=block["pg"], placement_group_bundle_index=index)
+        ).remote(block["zygote"])
         return RankHandle(-1, actor)
 
     def _replace_dead(self, block: dict[str, Any]) -> None:
         for i, h in enumerate(block["slots"]):
             if h.dead is not None:
                 _kill_quietly(h.actor)
-                block["slots"][i] = self._new_actor(block["pg"], i)
+                block["slots"][i] = self._new_actor(block, i)
 
     def _remove_block(self, block: dict[str, Any]) -> None:
         for h in block["slots"]:
             _kill_quietly(h.actor)
+        if block.get("zygote") is not None:
+            _kill_quietly(block["zygote"])
         try:
             remove_placement_group(block["pg"])
         except Exception as err:  # its node may be gone already

@@ -74,10 +74,12 @@ class Report:
 
 @dataclass(frozen=True)
 class ScratchOptions:
-    """How the scratch jobs run: the caller's guard, a drill's faults, the allotted nodes."""
+    """How the scratch jobs run: the caller's guard, a drill's faults, the allotted nodes, the
+    launcher's forkserver (`ControllerOptions.forkserver`)."""
     guard: Guard | None = None
     chaos: tuple[Any, ...] = ()
     capacity_limit: Callable[[], int] | None = None
+    forkserver: dict[str, Any] | None = None
 
 
 @dataclass
@@ -140,14 +142,16 @@ def scratch_spec(spec: Any, steps: int, uri: str) -> Any:
 def run_preflight(spec: Any, steps: int | None = None,
                   publish: Callable[[str, dict[str, Any]], None] | None = None,
                   guard: Guard | None = None, chaos: Sequence[Any] = (),
-                  capacity_limit: Callable[[], int] | None = None) -> Report:
+                  capacity_limit: Callable[[], int] | None = None,
+                  forkserver: dict[str, Any] | None = None) -> Report:
     """Smoke-test `spec` (see the module doc); `publish(kind, fields)` gets the event;
     `guard(controller)` wraps each scratch job's run (e.g. SIGTERM handling); `chaos`: a
     drill's faults (`ChaosEvent`s) for the smoke job and the links probes; `capacity_limit`:
-    the nodes a scheduler allots the job (the scratch jobs never plan for more)."""
+    the nodes a scheduler allots the job (the scratch jobs never plan for more); `forkserver`:
+    the one `tenax run` started beside its embedded Ray, for the scratch jobs' zygote."""
     from tenax.orchestrator.preflight.screening import screened
 
-    options = ScratchOptions(guard, tuple(chaos), capacity_limit)
+    options = ScratchOptions(guard, tuple(chaos), capacity_limit, forkserver)
     n = preflight_steps(spec, steps)
     report = preflight_once(spec, n, options)
     if spec.resources.exclude_slow_nodes and report.slow_node:
@@ -247,7 +251,8 @@ def run_scratch(spec: Any, options: ScratchOptions = ScratchOptions()) -> tuple[
 
     watch = Watch()
     controller = Controller(spec, ControllerOptions(chaos=options.chaos,
-                                                    capacity_limit=options.capacity_limit))
+                                                    capacity_limit=options.capacity_limit,
+                                                    forkserver=options.forkserver))
     controller.add_observer(watch.observe)
     guard = options.guard
     with guard(controller) if guard is not None else contextlib.nullcontext():

@@ -46,7 +46,8 @@ class JobRun:
     (time.time()) it was seen; the ranks' raw `started` records (which carry `resumed_from`)
     are kept the same way in `records`."""
 
-    def __init__(self, spec: Any, chaos: str | None = None) -> None:
+    def __init__(self, spec: Any, chaos: str | None = None,
+                 forkserver: dict[str, Any] | None = None) -> None:
         from tenax.orchestrator.chaos.faults import parse_chaos
         from tenax.orchestrator.job.controller import Controller, ControllerOptions
 
@@ -54,7 +55,8 @@ class JobRun:
         self.events: list[dict[str, Any]] = []
         self.records: list[dict[str, Any]] = []
         self.controller = Controller(spec, ControllerOptions(chaos=parse_chaos(chaos),
-                                                             on_event=self._on_event))
+                                                             on_event=self._on_event,
+                                                             forkserver=forkserver))
         self.controller.add_observer(self._observe)
         self.thread = threading.Thread(target=self.controller.run, daemon=True)
         self.started_at = 0.0

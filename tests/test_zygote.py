@@ -1,0 +1,107 @@
+"""A node's zygote: one forkserver whose children other processes start, kill and reap, with
+their own environment and output; a child dies with the forkserver it came from, and a dead
+forkserver is replaced when next asked."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tenax.workers.zygote import ForkSource, Zygote
+from tenax.workers.zygote_process import Endpoint, ZygoteProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie counts as gone
+        return stat.read().split(") ")[-1].startswith("Z")
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(timeout_s=120)
+    yield z
+    z.endpoint(120)
+    os.kill(z.endpoint(120)["pid"], signal.SIGKILL)
+
+
+def test_a_child_runs_with_its_starters_environment_output_and_exit_status(
+        zygote, tmp_path: Path, capfd) -> None:
+    endpoint = Endpoint(**zygote.endpoint(120))
+    assert endpoint.ready_at > 0 and endpoint.pid != os.getpid()
+    os.environ["TENAX_ZYGOTE_PROBE"] = "from-the-starter"  # set after the zygote started
+    try:
+        out = tmp_path / "env.txt"
+        proc = ZygoteProcess(endpoint, os.system,
+                             (f"echo $TENAX_ZYGOTE_PROBE > {out}; echo to-stdout",))
+        proc.start()
+        proc.join(60)
+    finally:
+        del os.environ["TENAX_ZYGOTE_PROBE"]
+    assert out.read_text().strip() == "from-the-starter"
+    assert "to-stdout" in capfd.readouterr().out  # the starter's fd 1, not the zygote's
+    exiting = ZygoteProcess(endpoint, os._exit, (3,))
+    exiting.start()
+    exiting.join(60)
+    assert (proc.exitcode, exiting.exitcode) == (0, 3)  # as the forkserver reaped them
+
+
+def test_the_starter_kills_and_reaps_a_child_of_the_zygote(zygote) -> None:
+    endpoint = Endpoint(**zygote.endpoint(120))
+    proc = ZygoteProcess(endpoint, time.sleep, (600,))
+    proc.start()
+    assert proc.is_alive() and proc.pid != endpoint.pid
+    proc.kill()
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def test_children_die_with_their_forkserver_and_a_new_one_replaces_it(zygote) -> None:
+    old = Endpoint(**zygote.endpoint(120))
+    proc = ZygoteProcess(old, time.sleep, (600,))
+    proc.start()
+    child = proc.pid
+    os.kill(old.pid, signal.SIGKILL)
+    proc.join(30)
+    assert proc.exitcode == 255  # the forkserver that would have reported it is gone
+    wait_until(lambda: pid_gone(child), 30, "the orphaned child to die (PR_SET_PDEATHSIG)")
+    new = Endpoint(**zygote.endpoint(120))
+    assert new.pid != old.pid and new.address != old.address
+    again = ZygoteProcess(new, os._exit, (0,))
+    again.start()
+    again.join(30)
+    assert again.exitcode == 0
+
+
+class DeadZygote:
+    """Stands in for an actor handle whose calls fail (what a dead Ray actor's do)."""
+
+    class Method:
+        def remote(self, *args):
+            raise ConnectionError("the zygote actor is dead")
+
+    endpoint = Method()
+
+
+def test_an_agent_whose_zygote_does_not_answer_forks_from_its_own_forkserver() -> None:
+    source = ForkSource(DeadZygote(), timeout_s=120)
+    proc = source.start(os._exit, (4,), "tenax-test")
+    proc.join(60)
+    assert proc.exitcode == 4 and not isinstance(proc, ZygoteProcess)
+    assert source.ready_at(120) > 0
