@@ -2,6 +2,7 @@
 Tenax's time goes; plus a killed rank -> resumed step (the warm restart must not get slower).
 
     python -m bench.cold_start_bench [--quick] [--json PATH] [--worlds 2,4] [--reps R]
+                                     [--kills K] [--no-grow]
 
 Why side by side: a cold start on a shared host moves with its load, so only a ratio measured in
 one run means anything. The baseline is what a user would otherwise type: `torchrun` of a plain
@@ -14,8 +15,13 @@ Tenax, torchrun, ...) so load hits both alike; the figure is the median over rep
 torchrun ÷ Tenax (goal >= 0.8). Each Tenax run's `done` event carries its `cold_start`
 breakdown (orchestrator/job/goodput_cold_start.py), reported as each phase's median share.
 The recovery row is the first Tenax run of the largest world (`--quick`: the smallest) run
-with `--chaos "kill rank=1 at=5"`: the failure event -> the first step after `recovered` (what
-a killed rank costs; it must not grow with cold-start work).
+with `--chaos "kill rank=1 at=5; kill rank=1 at=10; ..."` (`--kills`, default 3; `--quick` 1):
+the median over the kills of the failure event -> the first step after `recovered` (what a
+killed rank costs; it must not grow with cold-start work). The grow row (not with `--quick` or
+`--no-grow`) starts the largest world's job on half its ranks with room for two node blocks and
+asks for the second at step 5 (`--chaos "scale nodes=2 at=5"`): the scale request -> the first
+step on the grown layout (a new block: placement group, agents, their zygote, rendezvous, the
+resharded restore).
 """
 from __future__ import annotations
 
@@ -118,14 +124,15 @@ def run_tenax(world: int, tmp: str, steps: int = STEPS,
     return first["time"] - launched, events
 
 
-def measure(world: int, reps: int, tmp: str, kill: bool = False) -> dict[str, Any]:
-    """`kill`: the first Tenax run is also the recovery case (its cold start counts alike: the
-    kill comes after step 5), which keeps `--quick` under two minutes."""
+def measure(world: int, reps: int, tmp: str, kills: int = 0) -> dict[str, Any]:
+    """`kills`: the first Tenax run is also the recovery case, with that many kills (its cold
+    start counts alike: the first kill comes after step 5), which keeps `--quick` short."""
     plain, tenax, phases, case = [], [], [], {}
     for rep in range(reps):
         plain.append(run_torchrun(world, tmp))
-        if kill and rep == 0:
-            seconds, events = run_tenax(world, tmp, steps=10, chaos="kill rank=1 at=5")
+        if kills and rep == 0:
+            chaos = "; ".join(f"kill rank=1 at={5 * (k + 1)}" for k in range(kills))
+            seconds, events = run_tenax(world, tmp, steps=5 * kills + 5, chaos=chaos)
             case = recovery(world, events)
         else:
             seconds, events = run_tenax(world, tmp)
@@ -140,13 +147,42 @@ def measure(world: int, reps: int, tmp: str, kill: bool = False) -> dict[str, An
 
 
 def recovery(world: int, events: list[dict[str, Any]]) -> dict[str, Any]:
-    """A `kill rank=1` run's failure event -> the first step after `recovered`."""
-    failure = next(e for e in events if e["event"] == "failure")
-    recovered = next(e for e in events if e["event"] == "recovered")
-    resumed = next(e for e in events if e["event"] == "step" and e["time"] >= recovered["time"])
-    return {"world": world, "resume_s": resumed["time"] - failure["time"],
-            "controller_s": recovered["seconds"], "source": recovered["source"],
-            "lost_steps": recovered["lost_steps"]}
+    """A `kill rank=1` run: each failure event -> the first step after its `recovered`."""
+    resumes, controller, sources, lost = [], [], set(), 0
+    for failure in (e for e in events if e["event"] == "failure"):
+        recovered = next(e for e in events
+                         if e["event"] == "recovered" and e["time"] >= failure["time"])
+        resumed = next(e for e in events
+                       if e["event"] == "step" and e["time"] >= recovered["time"])
+        resumes.append(resumed["time"] - failure["time"])
+        controller.append(recovered["seconds"])
+        sources.add(recovered["source"])
+        lost += recovered["lost_steps"]
+    return {"world": world, "resume_s": statistics.median(resumes), "resumes_s": resumes,
+            "controller_s": statistics.median(controller), "source": "/".join(sorted(sources)),
+            "lost_steps": lost, "kills": len(resumes)}
+
+
+def grow(world: int, tmp: str) -> dict[str, Any]:
+    """Half of `world`'s ranks on one node block, then a second block asked for at step 5: the
+    scale request -> the first step on the grown layout."""
+    sets = [s for s in tenax_sets(world, tmp, 10)
+            if not s.startswith(("parallel.dp=", "resources.gpus_per_node="))]
+    sets += [f"resources.gpus_per_node={world // 2}", "resources.max_nodes=2"]
+    log = os.path.join(tmp, f"grow-{world}-{time.monotonic_ns()}.jsonl")
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", "--log-json", log,
+           "--chaos", "scale nodes=2 at=5"]
+    for s in sets:
+        cmd += ["--set", s]
+    subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=TIMEOUT_S)
+    with open(log) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    asked = next(e for e in events if e["event"] == "chaos" and e.get("kind") == "scale")
+    scaled = next(e for e in events if e["event"] == "scaled")
+    first = next(e for e in events if e["event"] == "step" and e["time"] >= scaled["time"])
+    return {"world": world, "from_world": scaled["from_world"],
+            "world_after": scaled["world_size"], "grow_s": first["time"] - asked["time"],
+            "controller_s": scaled["seconds"], "lost_steps": scaled["lost_steps"]}
 
 
 def median_shares(breakdowns: list[dict[str, float]]) -> dict[str, float]:
@@ -156,8 +192,8 @@ def median_shares(breakdowns: list[dict[str, float]]) -> dict[str, float]:
     return {p: statistics.median(s[p] for s in shares) for p in shares[0]}
 
 
-def report(cases: list[dict[str, Any]], kill: dict[str, Any], quick: bool,
-           json_path: str | None) -> None:
+def report(cases: list[dict[str, Any]], kill: dict[str, Any], grown: dict[str, Any] | None,
+           quick: bool, json_path: str | None) -> None:
     from bench.common import Report
 
     rep = Report("Cold start: launch → first step, torchrun ÷ Tenax (embedded Ray), one run")
@@ -171,9 +207,14 @@ def report(cases: list[dict[str, Any]], kill: dict[str, Any], quick: bool,
             rep.add(f"  {w} ranks: {phase}", seconds, unit="s",
                     note="share of Tenax's cold start (median)")
     rep.add(f"{kill['world']} ranks: failure → resumed step", kill["resume_s"], unit="s",
-            note=f"controller {kill['controller_s']:.2f} s; from {kill['source']}, "
-            f"{kill['lost_steps']} step(s) lost")
-    rep.context = {"quick": quick, "cases": cases}
+            note=f"median of {kill['kills']}; controller {kill['controller_s']:.2f} s; from "
+            f"{kill['source']}, {kill['lost_steps']} step(s) lost in all")
+    if grown is not None:
+        rep.add(f"grow {grown['from_world']} → {grown['world_after']} ranks: request → first "
+                "step", grown["grow_s"], unit="s",
+                note=f"controller {grown['controller_s']:.2f} s; {grown['lost_steps']} step(s) "
+                "lost")
+    rep.context = {"quick": quick, "cases": cases, "grow": grown}
     rep.finish(json_path)
 
 
@@ -184,13 +225,18 @@ def main() -> int:
     from bench.common import parse_args
 
     args = parse_args(__doc__, lambda p: (p.add_argument("--worlds", default="2,4"),
-                                          p.add_argument("--reps", type=int, default=0)))
+                                          p.add_argument("--reps", type=int, default=0),
+                                          p.add_argument("--kills", type=int, default=0),
+                                          p.add_argument("--no-grow", action="store_true")))
     worlds = [int(w) for w in args.worlds.split(",")]
     reps = args.reps or (1 if args.quick else 3)
+    kills = args.kills or (1 if args.quick else 3)
     killed = min(worlds) if args.quick else max(worlds)
     with tempfile.TemporaryDirectory(prefix="tenax-coldstart-") as tmp:
-        cases = [measure(w, reps, tmp, kill=w == killed) for w in worlds]
-    report(cases, next(c["kill"] for c in cases if c["kill"]), args.quick, args.json_path)
+        cases = [measure(w, reps, tmp, kills=kills if w == killed else 0) for w in worlds]
+        grown = None if args.quick or args.no_grow or max(worlds) < 2 else grow(max(worlds), tmp)
+    report(cases, next(c["kill"] for c in cases if c["kill"]), grown, args.quick,
+           args.json_path)
     return 0
 
 

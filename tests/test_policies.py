@@ -71,9 +71,12 @@ def test_max_restarts_exhausted_fails_with_cause():
 
 
 def test_max_restarts_is_read_only_by_the_policies():
+    """The job's restart budget (`fault_tolerance.max_restarts`, an attribute read) is read by
+    the job policy alone; Ray's actor option of the same name (a keyword) is another thing."""
     root = Path(__file__).resolve().parents[1] / "orchestrator"
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                     if "max_restarts" in p.read_text() and p.name not in ("spec.py", "presets.py"))
+                     if ".max_restarts" in p.read_text()
+                     and p.name not in ("spec.py", "presets.py"))
     assert readers == ["job/job_policy.py"], readers
 
 
