@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -41,20 +42,34 @@ def zygote():
     os.kill(z.endpoint(120)["pid"], signal.SIGKILL)
 
 
-def test_a_child_runs_with_its_starters_environment_output_and_exit_status(
+def test_a_child_runs_with_its_starters_environment_output_priority_and_exit_status(
         zygote, tmp_path: Path, capfd) -> None:
     endpoint = Endpoint(**zygote.endpoint(120))
     assert endpoint.ready_at > 0 and endpoint.pid != os.getpid()
+    out = tmp_path / "env.txt"
+    command = (f"echo $TENAX_ZYGOTE_PROBE > {out}; echo to-stdout; "
+               f"ps -o ni= -p $$ > {tmp_path}/nice.txt")
+    started: dict = {}
+
+    def start() -> None:
+        """On Linux niceness is per thread: this starter thread runs 3 below the zygote's, as
+        Ray's workers run at 15 while a forkserver a driver started runs at 0."""
+        os.nice(3)
+        started["nice"] = os.nice(0)
+        started["proc"] = proc = ZygoteProcess(endpoint, os.system, (command,))
+        proc.start()
+
     os.environ["TENAX_ZYGOTE_PROBE"] = "from-the-starter"  # set after the zygote started
     try:
-        out = tmp_path / "env.txt"
-        proc = ZygoteProcess(endpoint, os.system,
-                             (f"echo $TENAX_ZYGOTE_PROBE > {out}; echo to-stdout",))
-        proc.start()
-        proc.join(60)
+        starter = threading.Thread(target=start)
+        starter.start()
+        starter.join(60)
     finally:
         del os.environ["TENAX_ZYGOTE_PROBE"]
+    proc = started["proc"]
+    proc.join(60)
     assert out.read_text().strip() == "from-the-starter"
+    assert int((tmp_path / "nice.txt").read_text()) == started["nice"]
     assert "to-stdout" in capfd.readouterr().out  # the starter's fd 1, not the zygote's
     exiting = ZygoteProcess(endpoint, os._exit, (3,))
     exiting.start()
