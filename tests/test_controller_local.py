@@ -310,8 +310,9 @@ def test_the_zygote_adopts_the_forkserver_its_launcher_started_on_its_node(tmp_p
 
 def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path, clean):
     """Every training process of a node block forks from the block's zygote; when the zygote's
-    process dies, its forkserver and the ranks forked from it die with it, Ray starts the zygote
-    again (one import), and the agents — untouched, snapshots and all — fork from the new one."""
+    process dies, its forkserver and the ranks forked from it die with it, Ray starts the
+    zygote again (one import), and the agents — untouched, snapshots and all — fork from the
+    new one."""
     import os
     import signal
 

@@ -42,13 +42,13 @@ def zygote():
     os.kill(z.endpoint(120)["pid"], signal.SIGKILL)
 
 
-def test_a_child_runs_with_its_starters_environment_output_priority_and_exit_status(
+def test_a_child_runs_with_its_starters_environment_output_priority_group_and_exit_status(
         zygote, tmp_path: Path, capfd) -> None:
     endpoint = Endpoint(**zygote.endpoint(120))
     assert endpoint.ready_at > 0 and endpoint.pid != os.getpid()
     out = tmp_path / "env.txt"
     command = (f"echo $TENAX_ZYGOTE_PROBE > {out}; echo to-stdout; "
-               f"ps -o ni= -p $$ > {tmp_path}/nice.txt")
+               f"ps -o ni=,pgid= -p $$ > {tmp_path}/nice.txt")
     started: dict = {}
 
     def start() -> None:
@@ -69,7 +69,8 @@ def test_a_child_runs_with_its_starters_environment_output_priority_and_exit_sta
     proc = started["proc"]
     proc.join(60)
     assert out.read_text().strip() == "from-the-starter"
-    assert int((tmp_path / "nice.txt").read_text()) == started["nice"]
+    nice, group = map(int, (tmp_path / "nice.txt").read_text().split())
+    assert (nice, group) == (started["nice"], os.getpgrp())
     assert "to-stdout" in capfd.readouterr().out  # the starter's fd 1, not the zygote's
     exiting = ZygoteProcess(endpoint, os._exit, (3,))
     exiting.start()

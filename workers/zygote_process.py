@@ -3,9 +3,9 @@
 The stdlib's forkserver client talks to the one server its own process started. This one talks
 to any forkserver on the node (an `Endpoint`: its node block's zygote, workers/zygote.py), and
 the child takes on what differs per starter before it runs: the starter's environment, its
-stdout/stderr and its niceness. It dies with the forkserver it was forked from (PR_SET_PDEATHSIG): its starter
-learns its exit status from that forkserver, so a child outliving it could be neither reaped nor
-told apart from a dead one.
+stdout/stderr, its niceness and its process group. It dies with the forkserver it was forked
+from (PR_SET_PDEATHSIG): its starter learns its exit status from that forkserver, so a child
+outliving it could be neither reaped nor told apart from a dead one.
 """
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ class ZygoteProcess(process.BaseProcess):
         # controller) wins the CPU over training; a forkserver a driver started runs at 0, and
         # its children would slow every recovery's control path (measured: +5% kill -> resumed).
         self.niceness = os.nice(0)
+        # The starter's process group: a Ctrl-C at the terminal of a launcher whose forkserver
+        # this is must not reach the training processes (Ray gives each worker its own group).
+        self.group = os.getpgrp()
         self.stdio = (-1, -1)  # indices of the starter's stdout/stderr among the inherited fds
 
     @staticmethod
@@ -104,6 +107,10 @@ class ZygoteProcess(process.BaseProcess):
         os.environ.update(self.env)
         if self.niceness > os.nice(0):  # only ever lower the priority (raising it needs rights)
             os.nice(self.niceness - os.nice(0))
+        try:
+            os.setpgid(0, self.group)
+        except OSError as err:  # another session: the forkserver's group stays
+            logger.debug("process group %d not joined: %s", self.group, err)
         inherited = forkserver.get_inherited_fds()
         sys.stdout.flush()
         sys.stderr.flush()
