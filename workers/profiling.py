@@ -71,7 +71,8 @@ class StepProfiler:
         # a request's id is the epoch milliseconds the controller asked at: it names the
         # location, which the controller can then tell its caller before any rank starts
         self.request = request
-        self.location = diagnostics_location(checkpoint_uri, "profile", request / 1000) if request else ""
+        self.location = (diagnostics_location(checkpoint_uri, "profile", request / 1000)
+                         if request else "")
         self.began_at, self.began_step = 0.0, 0
 
     @classmethod

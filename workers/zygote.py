@@ -126,11 +126,9 @@ class Zygote:
                 logger.warning("the zygote's forkserver (pid %d) died; starting a new one",
                                self._endpoint.pid)
             self._endpoint, adopt, self._adopt = None, self._adopt, None  # adopted once only
+            if adopt is not None and self._adopted(adopt):
+                return
             try:
-                if adopt is not None and process_alive(adopt.pid):
-                    self._endpoint = probe(adopt, self._timeout_s)
-                    logger.info("serving the launcher's forkserver (pid %d)", adopt.pid)
-                    return
                 if self._server is not None:
                     self._server.close()
                 self._server = NodeForkServer(PRELOAD)
@@ -139,6 +137,19 @@ class Zygote:
             except Exception as err:  # the agents fork from forkservers of their own then
                 self._error = f"{type(err).__name__}: {err}"
                 logger.warning("the zygote's forkserver did not start: %s", self._error)
+
+    def _adopted(self, adopt: Endpoint) -> bool:
+        """Serve the launcher's forkserver; False (this zygote starts its own) when it is gone
+        or refuses the probe."""
+        try:
+            if process_alive(adopt.pid):
+                self._endpoint = probe(adopt, self._timeout_s)
+                logger.info("serving the launcher's forkserver (pid %d)", adopt.pid)
+                return True
+        except (OSError, EOFError) as err:
+            logger.warning("the launcher's forkserver (pid %d) refused the probe (%s); starting "
+                           "one of this zygote's own", adopt.pid, err)
+        return False
 
     def endpoint(self, timeout_s: float) -> dict[str, Any]:
         """Where the forkserver listens, once it has imported PRELOAD (a dead one is replaced
@@ -237,7 +248,7 @@ class ForkSource:
     def start(self, target: Callable[..., Any], args: tuple, name: str) -> Any:
         """A started training process; a refused connection asks the zygote again once (it
         replaces a dead forkserver) before this agent falls back on its own."""
-        for attempt in range(2):
+        for _ in range(2):
             if self._own is not None:
                 break
             if self._endpoint is None:

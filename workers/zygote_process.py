@@ -90,7 +90,7 @@ class ZygoteProcess(process.BaseProcess):
         self.env = dict(os.environ)
         # Ray runs its workers at niceness 15, so the control plane (raylet, GCS, a driver's
         # controller) wins the CPU over training; a forkserver a driver started runs at 0, and
-        # its children would slow every recovery's control path (measured: +5% kill -> resumed).
+        # its children at 0 made every kill -> resumed step slower (bench/RESULTS.md).
         self.niceness = os.nice(0)
         # The starter's process group: a Ctrl-C at the terminal of a launcher whose forkserver
         # this is must not reach the training processes (Ray gives each worker its own group).
