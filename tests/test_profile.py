@@ -39,7 +39,14 @@ def test_the_spec_key_checks_the_window():
 
 def test_the_location_sits_beside_the_hang_evidence():
     assert diagnostics_location("file:///c/ckpt/", "profile", 0.0) == \
-        "file:///c/ckpt/diagnostics/19700101T000000Z-profile"
+        "file:///c/ckpt/diagnostics/19700101T000000.000Z-profile"
+
+
+def test_two_requests_within_one_second_get_two_locations():
+    # A profile request's id is the epoch milliseconds it was asked at; the location keeps them.
+    first, second = (diagnostics_location("file:///c", "profile", ms / 1000)
+                     for ms in (1_764_000_000_123, 1_764_000_000_999))
+    assert first != second and first.endswith("T160000.123Z-profile"), (first, second)
 
 
 @pytest.mark.slow  # a `tenax` process
@@ -126,7 +133,7 @@ def test_a_request_is_handled_once_and_waits_for_a_window_being_recorded():
     windows.on_request(1_700_000_000_000, 3, next_step=11)
     first = windows.current
     assert (first.first, first.last, first.request) == (11, 13, 1_700_000_000_000)
-    assert first.location == "file:///c/ck/diagnostics/20231114T221320Z-profile"
+    assert first.location == "file:///c/ck/diagnostics/20231114T221320.000Z-profile"
     windows.on_request(1_700_000_000_000, 3, next_step=12)  # a rank that read it late
     assert windows.current is first
     first.active = object()  # being recorded: a newer request waits for its end

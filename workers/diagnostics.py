@@ -35,9 +35,12 @@ TRAINING_ENTRY = ("run_rank", "_child_main", "_rank_process")
 
 
 def diagnostics_location(checkpoint_uri: str, cause: str, now: float | None = None) -> str:
-    """`<checkpoint.uri>/diagnostics/<YYYYmmddTHHMMSSZ>-<cause>`: hang and straggler evidence,
-    profiles."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    """`<checkpoint.uri>/diagnostics/<YYYYmmddTHHMMSS.mmmZ>-<cause>`: hang and straggler
+    evidence, profiles. Milliseconds, because two profile requests (or two hangs) can come
+    within one second and must not write into one directory."""
+    now = time.time() if now is None else now
+    millis = int(round(now * 1000))
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(millis // 1000)) + f".{millis % 1000:03d}Z"
     return f"{checkpoint_uri.rstrip('/')}/diagnostics/{stamp}-{cause or 'failure'}"
 
 
