@@ -148,6 +148,7 @@ def test_exclude_slow_nodes_replaces_the_job_without_the_named_node(tmp_path):
 
     from tenax.orchestrator.chaos.faults import parse_chaos
     from tenax.orchestrator.preflight import run_preflight
+    from tenax.orchestrator.service.scheduler import cluster_now
     from tenax.testing.clusters import ray_cluster
 
     spec, _ = spec_and_layout(tmp_path, "parallel.tp=2", "resources.max_nodes=3",
@@ -165,7 +166,11 @@ def test_exclude_slow_nodes_replaces_the_job_without_the_named_node(tmp_path):
         assert held[:8] not in others  # the repeated preflight ran on the two other nodes
         assert held in {n["NodeID"] for n in ray.nodes()}
         assert ray.get(report.cordon.actor.ready.remote(), timeout=30)  # the hold lives
+        # The service's scheduler counts the held node as taken: no job is admitted onto it.
+        assert report.held_node == held
+        everyone = cluster_now().node_gpus
+        assert len(cluster_now(held=frozenset({held})).node_gpus) == len(everyone) - 1 == 2
         report.release()
-        assert report.cordon is None
+        assert report.cordon is None and report.held_node == ""
     assert [k for k, _ in events] == ["preflight"]  # one event: the final report
     assert events[0][1]["rows"][-1]["name"] == "screening"

@@ -43,6 +43,11 @@ class Report:
     slow_node_name: str = ""  # as the rows name it: "node K (id)"
     cordon: Any = None  # exclude_slow_nodes: the hold that keeps the job off slow_node
 
+    @property
+    def held_node(self) -> str:
+        """The node this preflight keeps from every job ("" when none)."""
+        return self.cordon.node_id if self.cordon is not None else ""
+
     def release(self) -> None:
         """Give back a node this preflight kept from the job (call when the job ends)."""
         if self.cordon is not None:

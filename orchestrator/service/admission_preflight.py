@@ -86,6 +86,12 @@ class AdmissionPreflight:
             return self._end_failed(report.cause())
         return True
 
+    def held_node(self) -> str:
+        """The node this job's preflight keeps from every job, the scheduler's included
+        ("" when none)."""
+        report = self.report
+        return report.held_node if report is not None else ""
+
     def release(self) -> None:
         """The job ended: give back a node the preflight kept from it."""
         if self.report is not None:

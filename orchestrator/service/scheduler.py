@@ -52,8 +52,10 @@ class QueueEntry:
     owner: str = ""  # who submitted it: the queue caps count per owner
 
 
-def cluster_now(largest: tuple[int, ...] | None = None) -> Cluster | None:
-    """GPU slots of the alive Ray nodes; None when not connected to Ray, or when Ray did not
+def cluster_now(largest: tuple[int, ...] | None = None,
+                held: frozenset[str] = frozenset()) -> Cluster | None:
+    """GPU slots of the alive Ray nodes but `held` (nodes a preflight keeps from every job: their
+    slots are taken, by no job's placement); None when not connected to Ray, or when Ray did not
     list its nodes within NODES_TIMEOUT_S (this runs under the scheduler's lock: a hung GCS
     must not hold every submission; the pass is skipped and the next one retries)."""
     import ray
@@ -65,7 +67,8 @@ def cluster_now(largest: tuple[int, ...] | None = None) -> Cluster | None:
     except RayNodesTimeout as err:
         logger.warning("scheduler pass skipped: %s", err)
         return None
-    gpus = tuple(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive"))
+    gpus = tuple(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes
+                 if n.get("Alive") and n.get("NodeID") not in held)
     return Cluster(tuple(g for g in gpus if g > 0), largest)
 
 
@@ -127,7 +130,8 @@ class Dispatcher:
     # ---- one pass --------------------------------------------------------------------------
     def tick(self) -> list[SchedulingDecision]:
         with self.lock:
-            cluster = cluster_now(self.largest)
+            held = frozenset(r.preflight.held_node() for r in self.manager.active_runners())
+            cluster = cluster_now(self.largest, held - {""})
             if cluster is None or self.manager.stopping.is_set():  # no Ray, or shutting down
                 return []
             decisions = decide(SchedulingSnapshot(self._views(), cluster))
