@@ -333,6 +333,8 @@ def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path,
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
     recovered = job.of("recovered")[0]
     assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1, recovered
+    failure = job.of("failure")[0]
+    assert f"forkserver it was forked from (pid {old['pid']}) died" in failure["cause"], failure
     assert seen["agents"] == agents  # the same agents, with the snapshots they held
     assert new["pid"] != old["pid"] and seen["parents"] == {new["pid"]}  # the new zygote's
     assert_same_losses(job.losses(), clean.losses())

@@ -239,6 +239,9 @@ class RankWorker:
             if attempt == self._attempt and self._status.state in ("starting", "training"):
                 self._status.state = "failed"
                 self._status.error = _exit_reason(proc.exitcode)
+                if getattr(proc, "forkserver_died", False):
+                    self._status.error += (f": the node's forkserver it was forked from (pid "
+                                           f"{proc.endpoint.pid}) died")
             self._ended_attempt = max(self._ended_attempt, attempt)
             self._ended.notify_all()
 

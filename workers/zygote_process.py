@@ -17,8 +17,8 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from multiprocessing import context, forkserver, popen_forkserver, process, reduction, \
-    resource_tracker, spawn, util
+from multiprocessing import connection, context, forkserver, popen_forkserver, process, \
+    reduction, resource_tracker, spawn, util
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,21 @@ class ZygotePopen(popen_forkserver.Popen):
         with open(data_w, "wb", closefd=True) as pipe:
             pipe.write(payload.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+        self.forkserver_died = False
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """The child's exit status, which its forkserver reports. A forkserver that died took
+        the child with it (PR_SET_PDEATHSIG, SIGKILL) and cannot report: the stdlib says 255,
+        an exit code the child never chose; this says SIGKILL and why."""
+        if self.returncode is None:
+            if not connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            try:
+                self.returncode = forkserver.read_signed(self.sentinel)
+            except (OSError, EOFError):
+                self.forkserver_died = True
+                self.returncode = -signal.SIGKILL
+        return self.returncode
 
 
 def request_fork(address: str, fds: list[int]) -> tuple[int, int]:
@@ -100,6 +115,11 @@ class ZygoteProcess(process.BaseProcess):
     @staticmethod
     def _Popen(process_obj: "ZygoteProcess") -> ZygotePopen:
         return ZygotePopen(process_obj)
+
+    @property
+    def forkserver_died(self) -> bool:
+        """Whether it ended because the forkserver it was forked from died."""
+        return bool(getattr(self._popen, "forkserver_died", False))
 
     def run(self) -> None:
         die_with_parent(self.endpoint.pid)
