@@ -12,7 +12,9 @@ Rows:
 - HF logits vs Tenax logits, max relative error (max |a-b| / max |b|): after export of a dp2,
   tp2, pp2 and zero-3 checkpoint (transformers loads the directory; Tenax runs the gathered
   parameters), and after import (`model.init_from` of an HF model into those layouts; Tenax
-  runs the parameters each layout started from) (goal <= 1e-5).
+  runs the parameters each layout started from) (goal <= 1e-5). The same for an MoE model
+  as Mixtral: export of an ep2 checkpoint, import into ep2 (capacity_factor = num_experts /
+  top_k, so Tenax drops nothing and matches HF's dropless Mixtral).
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "train.global_batch_size=4", "train.warmup_steps=0", "parallel.micro_batch_size=1",
         "resources.device=cpu"]
 LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "zero3": {"dp": 2, "zero": 3}}
+MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 2.0}"]
+EP2 = {"dp": 2, "ep": 2}
 
 
 def _spec(overrides: list[str]) -> Any:
@@ -82,9 +86,10 @@ def tenax_logits(overrides: list[str], params: dict[str, torch.Tensor],
 
 
 def hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    """Logits of the directory's model (Llama or Mixtral, as its config.json says)."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits.float()
 
@@ -122,6 +127,35 @@ def parity(report: Report, root: Path) -> None:
         params = run_ranks(import_job, _world(layout), layout, overrides, timeout_s=600)[0]
         report.add(f"import {name}: logits max rel err",
                    rel_err(tenax_logits(overrides, params, tokens), reference), "<= 1e-5")
+    moe_parity(report, root, tokens)
+
+
+def moe_parity(report: Report, root: Path, tokens: torch.Tensor) -> None:
+    """An MoE model as Mixtral, out of and into ep2 (experts sharded over two ranks)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tenax.testing.ranks import run_ranks
+    from tenax.workers.hf import export_hf
+
+    uri = f"file://{root}/moe-ep2"
+    params = run_ranks(save_job, 2, uri, EP2, TINY + MOE, timeout_s=600)[0]
+    export_hf(uri, str(root / "hf-moe"), dtype="float32")
+    report.add("export ep2 MoE as Mixtral: logits max rel err",
+               rel_err(hf_logits(str(root / "hf-moe"), tokens),
+                       tenax_logits(TINY + MOE, params, tokens)), "<= 1e-5")
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=128, max_position_embeddings=16,
+                                     rms_norm_eps=1e-5, rope_theta=500000.0,
+                                     num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=None)).save_pretrained(str(root / "mx-src"))
+    overrides = TINY + [f"model.init_from={root / 'mx-src'}", "model.from_hf=true",
+                        "model.moe.capacity_factor=2.0"]
+    params = run_ranks(import_job, 2, EP2, overrides, timeout_s=600)[0]
+    report.add("import ep2 Mixtral: logits max rel err",
+               rel_err(tenax_logits(overrides, params, tokens),
+                       hf_logits(str(root / "mx-src"), tokens)), "<= 1e-5")
 
 
 RSS_SCRIPT = """

@@ -1,8 +1,8 @@
 """Per-rank jobs and references for the Hugging Face export/import tests (importable by ranks).
 
-The reference side is transformers' own LlamaForCausalLM, built from a tiny LlamaConfig in the
-test process (nothing is downloaded); the Tenax side is the engine's Transformer, fed the
-parameters a job gathered (`Trainer.full_params`, any layout).
+The reference side is transformers' own LlamaForCausalLM (MixtralForCausalLM for MoE), built
+from a tiny config in the test process (nothing is downloaded); the Tenax side is the engine's
+Transformer, fed the parameters a job gathered (`Trainer.full_params`, any layout).
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ HF_TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_he
            "model.vocab_size=128", "model.ffn_hidden=96", "model.seq_len=16",
            "train.global_batch_size=4", "train.warmup_steps=0", "train.steps=2",
            "parallel.micro_batch_size=1", "resources.device=cpu"]
+# 4 experts, top 2; capacity_factor = num_experts / top_k: Tenax drops nothing, so its forward
+# is HF Mixtral's (dropless) one
+MOE_TINY = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 2.0}"]
 LLAMA31_SCALING = ("model.rope_scaling={factor: 8.0, low_freq_factor: 1.0, "
                    "high_freq_factor: 4.0, original_max_position_embeddings: 8}")
 
@@ -65,9 +68,9 @@ def tenax_logits(spec: Any, params: dict[str, torch.Tensor], tokens: torch.Tenso
         return model(tokens).float()
 
 
-def hf_model(path: str | Path) -> Any:
-    """LlamaForCausalLM.from_pretrained(path) in float32; fails on any loading complaint."""
-    from transformers import LlamaForCausalLM
+def hf_model(path: str | Path, model_class: str = "LlamaForCausalLM") -> Any:
+    """`model_class`.from_pretrained(path) in float32; fails on any loading complaint."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     records: list[str] = []
@@ -81,9 +84,9 @@ def hf_model(path: str | Path) -> Any:
     hf_logger = hf_logging.get_logger("transformers")
     hf_logger.addHandler(handler)
     try:
-        model, info = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                       output_loading_info=True,
-                                                       attn_implementation="eager")
+        model, info = getattr(transformers, model_class).from_pretrained(
+            str(path), dtype=torch.float32, output_loading_info=True,
+            attn_implementation="eager")
     finally:
         hf_logger.removeHandler(handler)
     problems = {k: v for k, v in info.items() if v}
@@ -119,6 +122,37 @@ def random_hf_model(path: Path, seed: int = 0, **overrides: Any) -> Any:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+def tiny_mixtral_config(**overrides: Any) -> Any:
+    """A MixtralConfig with HF_TINY's shape and MOE_TINY's experts (built locally)."""
+    from transformers import MixtralConfig
+
+    llama = tiny_llama_config().to_dict()
+    fields = {k: llama[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                    "max_position_embeddings", "rms_norm_eps",
+                                    "tie_word_embeddings")}
+    fields.update(rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2,
+                  sliding_window=None)
+    fields.update(overrides)
+    return MixtralConfig(**fields)
+
+
+def random_hf_mixtral(path: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised tiny MixtralForCausalLM saved with save_pretrained at `path`."""
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(tiny_mixtral_config(**overrides)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # away from 1, so a skipped or swapped norm would show
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):  # a router sharp enough that a wrong expert
+                p.normal_(0.0, 0.5)             # order or transpose changes the top_k
     model.save_pretrained(str(path))
     return model
 

@@ -1,5 +1,6 @@
 """`tenax export hf`: checkpoints saved in dp2, tp2 and pp2 load into transformers'
-LlamaForCausalLM without complaint and give the engine's logits.
+LlamaForCausalLM without complaint and give the engine's logits (MoE models, exported as
+Mixtral: tests/test_hf_mixtral.py).
 
 Checkpoints come from real 2-rank jobs (tests/hf_jobs.py), one per layout, made once per module.
 The reference is transformers itself; the Tenax side is the engine's own forward over the
@@ -116,14 +117,17 @@ def test_tied_embeddings_export(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_export_refusals_and_tokenizer(checkpoints: dict[str, Any], tmp_path: Path) -> None:
-    """MoE is refused by name; the job's tokenizer.json is copied, its EOS in config.json."""
+    """An MoE spec over a dense checkpoint is refused naming the expert tensors it lacks; the
+    job's tokenizer.json is copied, its EOS in config.json."""
     from tenax.workers.hf.export import ExportError, export_hf
 
     uri, _ = checkpoints["dp2"]
     spec = hf_jobs.hf_spec().model_dump(mode="json", by_alias=True)
     moe = {**spec, "model": {**spec["model"], "moe": {"num_experts": 4, "top_k": 2}}}
-    with pytest.raises(ExportError, match="model.moe has no supported HF export yet"):
+    with pytest.raises(ExportError, match=r"the checkpoint lacks \['layers.0.feed_forward."
+                                          r"experts.w1.weight'"):
         export_hf(uri, str(tmp_path / "moe"), spec=moe)
+    assert not (tmp_path / "moe" / "config.json").exists()
     tokenizer = _word_tokenizer(tmp_path / "tok.json")
     with_tok = {**spec, "data": {**spec["data"], "tokenizer": str(tokenizer)}}
     export_hf(uri, str(tmp_path / "hf"), spec=with_tok)

@@ -1,7 +1,8 @@
 """`tenax export hf CKPT_URI --out DIR [--step N] [--dtype bfloat16|float32]`.
 
 Writes a committed checkpoint, saved in any layout, as a directory that
-`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads: config.json, safetensors (sharded
+`transformers.LlamaForCausalLM.from_pretrained(DIR)` (`MixtralForCausalLM` for a model with
+`moe`) loads: config.json, safetensors (sharded
 past --shard-size with model.safetensors.index.json) and the job's tokenizer files. Reads only
 the checkpoint; the job spec comes from the version's manifest (or --spec for checkpoints saved
 before the spec travelled with them). Exit codes: 0 written, 2 bad input or unreadable storage.
@@ -70,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `tenax export ...` to the top-level parser (orchestrator/cli/main.py REGISTRARS)."""
     export = sub.add_parser("export", help="write checkpoints in other formats").add_subparsers(
         dest="format", required=True)
-    p = export.add_parser("hf", help="a Hugging Face LlamaForCausalLM directory")
+    p = export.add_parser("hf", help="a Hugging Face LlamaForCausalLM (MoE: MixtralForCausalLM) "
+                                        "directory")
     p.add_argument("uri", help="checkpoint root URI (file://, s3://, ...)")
     p.add_argument("--out", required=True, help="output directory (local path or fsspec URI)")
     p.add_argument("--step", type=int, default=None,

@@ -1,4 +1,4 @@
-"""tenax.workers.hf — Tenax weights in and out of the Hugging Face (Llama) format.
+"""tenax.workers.hf — Tenax weights in and out of Hugging Face (Llama; Mixtral for MoE).
 
 - `config`: HF config.json <-> the spec's `model` section (torch-free; the spec uses it).
 - `names`: Tenax parameter names <-> HF names, and the per-tensor layout change.
@@ -13,12 +13,12 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "config": ("HFConfigError", "check_model_section", "hf_config_from_model",
+    "config": ("HFConfigError", "check_model_section", "dropless_note", "hf_config_from_model",
                "model_fields_from_hf", "read_hf_config"),
-    "names": ("NameMapError", "hf_name", "tenax_name"),
+    "names": ("NameMapError", "hf_name", "hf_parts", "is_stacked_expert", "tenax_name"),
     "safetensors_io": ("SafetensorsError", "StreamingWriter", "read_index", "read_tensor"),
     "export": ("ExportError", "export_hf"),
-    "load": ("HFLoadError", "check_hf_weights", "load_hf_into"),
+    "load": ("ExpertStack", "HFLoadError", "check_hf_weights", "load_hf_into"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

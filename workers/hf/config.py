@@ -1,9 +1,15 @@
 """Hugging Face `config.json` <-> the job spec's `model` section (torch-free).
 
 Why torch-free: the spec validates `model.init_from` against the directory's config.json when it
-is loaded (CLI, controller, service), and those processes must not import torch. Only Llama
+is loaded (CLI, controller, service), and those processes must not import torch. Llama
 (`model_type: llama`, SwiGLU, no biases, head_dim = hidden_size / num_attention_heads) maps onto
-the Tenax decoder; anything else is refused by name rather than loaded into the wrong shape.
+the dense decoder and Mixtral (`model_type: mixtral`, the same plus routed experts, no sliding
+window) onto `model.moe`; anything else is refused by name rather than loaded into the wrong
+shape.
+
+Mixtral and Tenax route alike (softmax over all experts in float32, top_k, the k weights
+renormalised), but HF's Mixtral is dropless while Tenax drops assignments past its capacity, so
+the two compute the same function only where nothing is dropped (`dropless_note`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,10 @@ DEFAULTS: dict[str, Any] = {"n_kv_heads": 4, "rope_theta": 10000.0, "rope_scalin
 SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
 HF_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_TYPES = ("llama", "mixtral")
+# The MoE keys a Mixtral config fixes (spec key -> HF key); capacity_factor and aux_loss_coef
+# are Tenax's training choices and stay the spec's.
+MOE_KEYS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
 
 
 class HFConfigError(ValueError):
@@ -77,8 +87,12 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _refuse_unmapped(cfg: dict[str, Any]) -> None:
     kind = cfg.get("model_type")
-    if kind != "llama":
-        raise HFConfigError(f"config.json: model_type {kind!r} is not supported (only 'llama')")
+    if kind not in MODEL_TYPES:
+        raise HFConfigError(f"config.json: model_type {kind!r} is not supported (only "
+                            f"{' and '.join(repr(k) for k in MODEL_TYPES)})")
+    if kind == "mixtral" and cfg.get("sliding_window") is not None:
+        raise HFConfigError(f"config.json: sliding_window={cfg['sliding_window']!r} is not "
+                            f"supported (Tenax's attention is full causal)")
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if key in cfg and cfg[key] != want:
             raise HFConfigError(f"config.json: {key}={cfg[key]!r} is not supported "
@@ -91,7 +105,8 @@ def _refuse_unmapped(cfg: dict[str, Any]) -> None:
 
 
 def model_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The spec's `model` keys a Llama config.json fixes, plus a `seq_len` suggestion."""
+    """The spec's `model` keys a Llama or Mixtral config.json fixes (`moe`: None, or its
+    num_experts and top_k), plus a `seq_len` suggestion."""
     try:
         _refuse_unmapped(cfg)
         theta, scaling = _rope(cfg)
@@ -102,7 +117,9 @@ def model_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                   "ffn_hidden": int(cfg["intermediate_size"]),
                   "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
                   "rope_scaling": scaling,
-                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                  "moe": ({k: int(cfg[v]) for k, v in MOE_KEYS.items()}
+                          if cfg["model_type"] == "mixtral" else None)}
     except KeyError as exc:
         raise HFConfigError(f"config.json: required key {exc.args[0]!r} is missing") from None
     except (TypeError, ValueError) as exc:
@@ -133,17 +150,48 @@ def config_differences(model: dict[str, Any], hf: dict[str, Any]) -> list[str]:
         mine = model.get(key)
         if not _same(mine, hf[key]):
             out.append(f"model.{key}: the spec has {mine!r}, config.json has {hf[key]!r}")
-    if model.get("moe") is not None:
-        out.append(f"model.moe: the spec has {model['moe']!r}, config.json describes a dense "
-                   f"Llama (no experts)")
-    return out
+    return out + _moe_differences(model.get("moe"), hf.get("moe"))
+
+
+def _moe_differences(mine: dict[str, Any] | None, hf: dict[str, Any] | None) -> list[str]:
+    if hf is None:
+        return [] if mine is None else [
+            f"model.moe: the spec has {mine!r}, config.json describes a dense Llama (no experts)"]
+    if mine is None:
+        return [f"model.moe: the spec has None, config.json describes a Mixtral with "
+                f"num_experts={hf['num_experts']}, top_k={hf['top_k']}"]
+    return [f"model.moe.{key}: the spec has {mine.get(key)!r}, config.json has {hf[key]!r} "
+            f"({hf_key})" for key, hf_key in MOE_KEYS.items() if mine.get(key) != hf[key]]
+
+
+def moe_defaults() -> dict[str, Any]:
+    """The spec's `model.moe` defaults (a partial moe mapping is compared with them filled)."""
+    from tenax.workers.spec_sections import MoESpec
+
+    return {k: f.default for k, f in MoESpec.model_fields.items()}
+
+
+def dropless_note(moe: dict[str, Any]) -> tuple[bool, str]:
+    """(drops possible, why HF's logits may differ): HF's Mixtral sends every token to its
+    top_k experts, Tenax drops assignments past C = ceil(capacity_factor * T * top_k / E) per
+    expert; an expert gets at most T assignments, so capacity_factor >= E / top_k drops none."""
+    moe = {**moe_defaults(), **moe}
+    bound = moe["num_experts"] / moe["top_k"]
+    head = ("HF's MixtralForCausalLM is dropless (every token reaches its top_k experts) while "
+            "Tenax drops expert assignments past moe.capacity_factor, so HF's logits equal "
+            "Tenax's only where no assignment was dropped")
+    if moe["capacity_factor"] >= bound:
+        return False, (f"{head}; here capacity_factor={moe['capacity_factor']:g} >= "
+                       f"num_experts/top_k={bound:g}, so Tenax drops none and the two agree")
+    return True, (f"{head}; here capacity_factor={moe['capacity_factor']:g} < "
+                  f"num_experts/top_k={bound:g}, so Tenax's forward may drop assignments that "
+                  f"HF computes (capacity_factor >= {bound:g} guarantees no drops)")
 
 
 def hf_config_from_model(model: dict[str, Any], dtype: str,
                          token_ids: dict[str, int | None] | None = None) -> dict[str, Any]:
-    """A LlamaForCausalLM config.json for the spec's `model` section (a plain mapping)."""
-    if model.get("moe") is not None:
-        raise HFConfigError("model.moe has no supported HF export yet")
+    """A LlamaForCausalLM config.json for the spec's `model` section (a plain mapping), or a
+    MixtralForCausalLM one when `moe` is set."""
     if dtype not in HF_DTYPES:
         raise HFConfigError(f"--dtype: {dtype!r} must be one of {HF_DTYPES}")
     scaling = model.get("rope_scaling")
@@ -152,8 +200,7 @@ def hf_config_from_model(model: dict[str, Any], dtype: str,
         max_pos = max(max_pos, int(scaling["original_max_position_embeddings"]
                                    * scaling["factor"]))
     ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    common = {
         "hidden_size": model["dim"], "intermediate_size": model["ffn_hidden"],
         "num_hidden_layers": model["n_layers"], "num_attention_heads": model["n_heads"],
         "num_key_value_heads": model["n_kv_heads"], "head_dim": model["dim"] // model["n_heads"],
@@ -162,9 +209,19 @@ def hf_config_from_model(model: dict[str, Any], dtype: str,
         "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
         "rms_norm_eps": float(model.get("norm_eps", 1e-5)),
         "tie_word_embeddings": bool(model.get("tie_embeddings", False)),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": dtype, "dtype": dtype, "use_cache": True, **ids,
+        "hidden_act": "silu", "torch_dtype": dtype, "dtype": dtype, "use_cache": True, **ids,
     }
+    if model.get("moe") is None:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "attention_bias": False, "mlp_bias": False}
+    moe = {**moe_defaults(), **model["moe"]}
+    # sliding_window null: Mixtral's default has varied across transformers versions and
+    # vLLM reads it; Tenax attends over the whole causal context.
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
+            "num_local_experts": int(moe["num_experts"]),
+            "num_experts_per_tok": int(moe["top_k"]),
+            "router_aux_loss_coef": float(moe["aux_loss_coef"]), "router_jitter_noise": 0.0,
+            "output_router_logits": False, "sliding_window": None}
 
 
 SCALING_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -177,7 +234,20 @@ def _plain(key: str, value: Any) -> Any:
         value = value.model_dump()
     if key == "rope_scaling" and isinstance(value, dict):
         value = {**SCALING_DEFAULTS, **value}
+    if key == "moe" and isinstance(value, dict):
+        value = {**moe_defaults(), **value}
     return value
+
+
+def _fill_moe(out: dict[str, Any], hf_moe: dict[str, Any] | None) -> None:
+    """from_hf: the experts and top_k of a Mixtral config, where the spec leaves them out
+    (an explicit `moe: null` stays, and is then reported as a difference)."""
+    if hf_moe is None:
+        return
+    if "moe" not in out:
+        out["moe"] = dict(hf_moe)
+    elif isinstance(out["moe"], dict):
+        out["moe"] = {**hf_moe, **out["moe"]}
 
 
 def check_model_section(data: Any, fields: dict[str, Any]) -> Any:
@@ -196,6 +266,7 @@ def check_model_section(data: Any, fields: dict[str, Any]) -> Any:
     if out.get("from_hf"):
         for key in (*SHAPE_KEYS, "seq_len"):
             out.setdefault(key, hf[key])
+        _fill_moe(out, hf["moe"])
     effective = {k: _plain(k, out[k] if k in out else fields[k].default)
                  for k in (*SHAPE_KEYS, "moe")}
     diffs = config_differences(effective, hf)

@@ -1,4 +1,5 @@
-"""A committed checkpoint (any layout) -> a directory `LlamaForCausalLM.from_pretrained` loads.
+"""A committed checkpoint (any layout) -> a directory `LlamaForCausalLM.from_pretrained` loads
+(`MixtralForCausalLM` for a model with `moe`).
 
 How: the version is read through the checkpoint layer's own resharding load path (DCP's load
 planner + `RawReader`), asking for whole tensors as a world-size-1 process would. Since every
@@ -6,7 +7,8 @@ tensor's global shape is in the version's metadata, each safetensors shard's hea
 first and the tensors are then loaded and streamed into it a batch at a time (at most half a
 shard): a reader thread loads and casts batch k+1 while batch k is written, so the export holds
 about one shard (plus its largest tensor), never the model. The job spec comes from the
-manifest (saved with each version); older checkpoints need `spec` passed in.
+manifest (saved with each version); older checkpoints need `spec` passed in. A stacked expert
+tensor is read whole like any other and written as its E per-expert HF tensors (names.hf_parts).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from tenax.checkpoint import Catalog, Storage, version_name
 from tenax.checkpoint.load import RawReader
-from tenax.workers.hf.config import CONFIG_NAME, HFConfigError, hf_config_from_model
-from tenax.workers.hf.names import hf_name, layer_order
+from tenax.workers.hf.config import (CONFIG_NAME, HFConfigError, dropless_note,
+                                     hf_config_from_model)
+from tenax.workers.hf.names import hf_name, hf_parts, is_stacked_expert, layer_order
 from tenax.workers.hf.safetensors_io import INDEX_NAME, StreamingWriter, shard_name
 
 logger = logging.getLogger(__name__)
@@ -236,16 +239,28 @@ class Prefetcher:
         return self.batches[k], tensors
 
 
+def _pieces(name: str, source: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of each HF tensor `source` becomes: itself, or one expert's slice
+    transposed to HF's Linear [out, in] (a view; the writer copies one expert at a time)."""
+    if not is_stacked_expert(name):
+        yield hf_name(name), source
+        return
+    for e, (key, _) in enumerate(hf_parts(name, tuple(source.shape))):
+        yield key, source[e].t()
+
+
 def _write_shard(fs: Any, path: str, shard: list[tuple[str, tuple[int, ...]]],
                  n_batches: int, batches: Prefetcher) -> None:
     stream = batches.stream
     with fs.open(path, "wb") as handle:
-        writer = StreamingWriter(handle, [(hf_name(n), stream.target, s) for n, s in shard])
+        writer = StreamingWriter(handle, [(key, stream.target, shape) for n, s in shard
+                                          for key, shape in hf_parts(n, s)])
         for _ in range(n_batches):
             batch, tensors = batches.take()
             for name, _ in batch:
                 source = tensors.pop(name)
-                writer.write_cast(hf_name(name), source, stream.scratch)
+                for key, piece in _pieces(name, source):
+                    writer.write_cast(key, piece, stream.scratch)
                 stream.tick(source.numel() * stream.target.itemsize)
         writer.close()
 
@@ -264,7 +279,7 @@ def _write_shards(fs: Any, root: str, shards: list[list[tuple[str, tuple[int, ..
             name = shard_name(i, len(shards))
             _write_shard(fs, posixpath.join(root, name), shard, len(plan), batches)
             files.append(name)
-            weight_map.update({hf_name(n): name for n, _ in shard})
+            weight_map.update({key: name for n, s in shard for key, _ in hf_parts(n, s)})
     index = posixpath.join(root, INDEX_NAME)
     if len(shards) > 1:
         _write_json(fs, index, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -290,14 +305,11 @@ class Source:
 
 def open_version(ckpt_uri: str, step: int | None, spec: dict[str, Any] | None,
                  storage_options: dict[str, Any] | None) -> Source:
-    """The version to export, checked: a dense model whose every tensor the version holds."""
+    """The version to export, checked: a model whose every tensor the version holds."""
     catalog = Catalog(Storage(ckpt_uri, storage_options=storage_options))
     manifest = _manifest(catalog, step)
     job = job_spec_of(manifest, spec, ckpt_uri)
     model = model_section(job)
-    if model.get("moe") is not None:
-        raise ExportError("model.moe has no supported HF export yet (MoE checkpoints cannot "
-                          "be written as LlamaForCausalLM)")
     version = version_name(manifest.step)
     metadata = RawReader(catalog.storage, version).read_metadata()
     names = expected_names(model)
@@ -309,7 +321,8 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
               shard_bytes: int = SHARD_BYTES, spec: dict[str, Any] | None = None,
               storage_options: dict[str, Any] | None = None, progress: Progress | None = None,
               batch_bytes: int = BATCH_BYTES) -> ExportResult:
-    """Write version `step` (default: newest committed) of `ckpt_uri` as an HF Llama directory."""
+    """Write version `step` (default: newest committed) of `ckpt_uri` as an HF Llama (or, with
+    `model.moe`, Mixtral) directory."""
     from fsspec.core import url_to_fs
 
     if dtype not in EXPORT_DTYPES:
@@ -317,6 +330,7 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     src = open_version(ckpt_uri, step, spec, storage_options)
     catalog, manifest, job, model = src.catalog, src.manifest, src.job, src.model
     version, metadata, names = src.version, src.metadata, src.names
+    extra = _note_dropless(model)
     target = EXPORT_DTYPES[dtype]
     shards = plan_shards(names, metadata, target, shard_bytes)
     total = sum(torch.Size(s).numel() for shard in shards for _, s in shard) * target.itemsize
@@ -347,6 +361,18 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     except HFConfigError as exc:
         raise ExportError(str(exc)) from None
     _write_json(fs, posixpath.join(root, CONFIG_NAME), config)
+    tensors = sum(len(hf_parts(n, s)) for shard in shards for n, s in shard)
     logger.info("exported %s step %d -> %s: %d tensors, %d files, %.1f MB", ckpt_uri,
-                manifest.step, out, len(names), len(files), total / 1e6)
-    return ExportResult(out, manifest.step, files, total, len(names))
+                manifest.step, out, tensors, len(files), total / 1e6)
+    return ExportResult(out, manifest.step, files, total, tensors, extra)
+
+
+def _note_dropless(model: dict[str, Any]) -> dict[str, Any]:
+    """Say, for an MoE model, when HF's dropless Mixtral may compute what Tenax did not: a
+    warning where Tenax's capacity can drop assignments, else an info line. Also returned in
+    ExportResult.extra (`dropless_note`, `drops_possible`)."""
+    if model.get("moe") is None:
+        return {}
+    drops, note = dropless_note(model["moe"])
+    logger.log(logging.WARNING if drops else logging.INFO, "MoE export as Mixtral: %s", note)
+    return {"dropless_note": note, "drops_possible": drops}
