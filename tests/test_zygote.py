@@ -122,3 +122,27 @@ def test_an_agent_whose_zygote_does_not_answer_forks_from_its_own_forkserver() -
     proc.join(60)
     assert proc.exitcode == 4 and not isinstance(proc, ZygoteProcess)
     assert source.ready_at(120) > 0
+
+
+@pytest.mark.slow  # a local Ray
+def test_an_agent_whose_zygote_has_no_restarts_left_falls_back_at_once(monkeypatch, caplog):
+    """Ray says "unavailable" while it restarts an actor and "died" once its restarts are
+    spent: the agent waits on the first only (a wait longer than this test's timeout here)."""
+    import logging
+
+    import ray
+
+    from tenax.testing.clusters import local_ray
+    from tenax.workers import zygote as zygote_module
+
+    monkeypatch.setattr(zygote_module, "RESTART_WAIT_S", 3600.0)
+    with local_ray(gpus=0, cpus=1):
+        actor = ray.remote(num_cpus=0, max_restarts=0)(Zygote).remote(timeout_s=120)
+        os.kill(ray.get(actor.pid.remote(), timeout=60), signal.SIGKILL)
+        caplog.set_level(logging.INFO, logger=zygote_module.__name__)
+        source = ForkSource(actor, timeout_s=120)
+        proc = source.start(os._exit, (5,), "tenax-test")
+        proc.join(60)
+    assert proc.exitcode == 5 and not isinstance(proc, ZygoteProcess)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("did not answer (ActorDiedError" in m for m in said), said

@@ -211,8 +211,9 @@ class ForkSource:
 
     def _ask(self, timeout_s: float) -> Endpoint | None:
         """The zygote's endpoint; None (and a forkserver of this agent's own from now on) when
-        the zygote does not answer. A zygote that just died is being restarted by Ray: a call
-        that reached the dead process fails, a later one waits for the new process."""
+        the zygote does not answer. A zygote that just died is being restarted by Ray: calls
+        fail as "unavailable" until the new process runs. One whose restarts are spent fails as
+        "died" at once: waiting longer would only delay the training process."""
         import ray
 
         deadline = time.monotonic() + RESTART_WAIT_S
@@ -220,12 +221,14 @@ class ForkSource:
             try:
                 answer = ray.get(self._zygote.endpoint.remote(timeout_s), timeout=timeout_s + 5)
                 return Endpoint(**answer)
+            except ray.exceptions.ActorDiedError as err:
+                failure: Exception = err
             except ray.exceptions.RayActorError as err:
                 if time.monotonic() < deadline:
                     logger.info("the node's zygote is restarting (%s); asking again", err)
                     time.sleep(RESTART_POLL_S)
                     continue
-                failure: Exception = err
+                failure = err
             except Exception as err:  # a timeout, a forkserver that did not start
                 failure = err
             logger.warning("the node's zygote did not answer (%s: %s); this agent forks its "
