@@ -5,7 +5,7 @@
 For each level (none, selective, full) and two CPU-sized shapes:
 - held: unique storage bytes autograd saves for backward during one micro-batch's forward
   (`SavedTensorMeter`, parameters excluded) / the planner's activation figure for that
-  micro-batch (`cost_model.block_activation_bytes` x layers + `head_activation_bytes`, fp32);
+  micro-batch (`memory_model.block_activation_bytes` x layers + `head_activation_bytes`, fp32);
 - time: forward + backward of one micro-batch on one torch thread, timed as that thread's CPU
   time (a shared host's other load does not count), levels interleaved step by step, median
   of N; its ratio to `none` next to the planner's predicted ratio of compute time
@@ -32,8 +32,8 @@ from tenax.parallel import ParallelLayout, SavedTensorMeter, apply_recompute, bu
 from tenax.parallel.config import ModelArgs
 from tenax.parallel.cost_model import (block_activation_bytes, head_activation_bytes,
                                        train_flops_per_token)
+from tenax.parallel.pricing import activation_shape
 from tenax.parallel.model import cross_entropy_sum
-from tenax.parallel.planner import activation_shape
 
 logger = logging.getLogger(__name__)
 

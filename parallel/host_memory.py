@@ -14,7 +14,7 @@ Per rank on a node:
 and per node, the ranks on it (min(gpus_per_node, world)) times that.
 
 S = model shard + optimizer state shard + a small cursor/RNG record, from the same ledger the
-planner uses (`cost_model.model_state_memory`): tp*pp split the parameters, ZeRO stage >= 1
+planner uses (`memory_model.model_state_memory`): tp*pp split the parameters, ZeRO stage >= 1
 shards the optimizer over dp*cp, stage 3 the weights too, ep the experts. Gradients are not
 snapshotted (they are rebuilt by the next step). The engine keeps its parameters in fp32
 whatever `train.dtype` says (low precision comes from autocast, workers/trainer.py), so its

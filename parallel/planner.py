@@ -12,6 +12,8 @@ over divisors of the GPU count, pruned with the closed-form cost model. The reci
 Rules: tp stays in a node (tp <= gpus_per_node, dividing it). DP/ZeRO is preferred over PP:
 pipelines are searched only when no pp=1 layout fits (stage imbalance and p2p jitter are not
 modelled). Near-ties (4 significant digits) go to smaller pp/tp/cp/ep, then ZeRO-1, 2, 0, 3.
+This module enumerates the candidates, checks the request and chooses; pricing.py prices each
+candidate (steps 1 and 3: memory and step time), the same way for a layout given as is.
 """
 from __future__ import annotations
 
@@ -21,20 +23,15 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
-from tenax.parallel.bubble import bubble_time
 from tenax.parallel.config import ModelArgs
-from tenax.parallel.cost_model import (FP32_ADAMW, MIXED_ADAMW, RECOMPUTE, ActivationShape,
-                                       MemoryLedger, Network, StateBytes, block_activation_bytes,
-                                       cp_comm, crossing_dims, dp_comm, ep_comm, gib,
-                                       head_activation_bytes, in_flight_microbatches,
-                                       model_state_memory, pp_comm, stage_activation_bytes, tp_comm,
-                                       train_flops_per_token)
+from tenax.parallel.cost_model import Network
 from tenax.parallel.errors import LayoutError, PlanError
-from tenax.parallel.estimate import (PART_LABELS, Estimate, PlanResult, StepTime, choose_best,
-                                     soft_warnings)
+from tenax.parallel.estimate import Estimate, PlanResult, choose_best
+from tenax.parallel.pricing import PlanContext, estimate_candidate
 from tenax.parallel.layout import ParallelLayout
+from tenax.parallel.memory_model import FP32_ADAMW, MIXED_ADAMW, RECOMPUTE, StateBytes, gib
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +39,6 @@ H100_BF16_PEAK = 989e12     # dense bf16 FLOP/s of one H100 SXM
 MAX_MICRO_BATCH = 8
 MIN_CP_CHUNK = 1024         # free cp only when each rank keeps >= this many tokens of a sequence
 MAX_VIRTUAL = 4             # interleaved stages tried: 2..4 (more mostly adds p2p)
-DP_OVERLAP = 0.8            # share of DP comm that can hide behind compute (not the last bucket)
 ZERO_PREFERENCE = (1, 2, 0, 3)
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
 
@@ -85,32 +81,6 @@ class PlanOptions:
     recompute: str = "auto"
 
 
-@dataclass(frozen=True)
-class _Ctx:
-    model: ModelArgs
-    gpus: int
-    gpn: int
-    gbs: int
-    budget: float
-    network: Network
-    flops_per_s: float          # sustained, all GPUs together
-    state: StateBytes
-    dtype_bytes: float
-    max_micro_batch: int
-    fixed: dict[str, Any] = field(default_factory=dict)
-    params: int = 0             # model counts, cached: the search asks for them thousands of times
-    active: int = 0
-    experts: int = 0
-    top_k: int = 1
-    peak_flops: float = 0.0     # dense peak, all GPUs together (MFU's denominator)
-    soft_ok: bool = False       # rules of thumb become warnings (a pinned layout must run)
-    recompute: str = "auto"     # a pinned level, or "auto": the lightest that fits
-    block_params: float = 0.0   # active parameters of the decoder blocks (full recompute reruns)
-
-    def choices(self, name: str, free: Sequence[Any]) -> Sequence[Any]:
-        return [self.fixed[name]] if name in self.fixed else free
-
-
 # ---- enumeration -------------------------------------------------------------------------------
 @lru_cache(maxsize=1024)
 def _divisors(n: int) -> tuple[int, ...]:
@@ -121,7 +91,7 @@ def _template(problem: str) -> str:  # aggregate rejections that differ only in 
     return "invalid: " + re.sub(r"\d+", "N", problem)
 
 
-def _degree_tuples(ctx: _Ctx, rejected: Counter) -> Iterator[tuple[int, int, int, int]]:
+def _degree_tuples(ctx: PlanContext, rejected: Counter) -> Iterator[tuple[int, int, int, int]]:
     m, g = ctx.model, ctx.gpus
     in_node = {d for d in _divisors(g) if d <= ctx.gpn and (ctx.gpn % d == 0 or g <= ctx.gpn)}
     for tp in ctx.choices("tp", sorted(in_node)):
@@ -136,7 +106,7 @@ def _degree_tuples(ctx: _Ctx, rejected: Counter) -> Iterator[tuple[int, int, int
                     yield tp, pp, cp, dp
 
 
-def _variants(ctx: _Ctx, dp: int, pp: int, cp: int) -> Iterator[tuple[int, str, int]]:
+def _variants(ctx: PlanContext, dp: int, pp: int, cp: int) -> Iterator[tuple[int, str, int]]:
     """(ep, schedule, virtual stages); ep only for MoE, schedules only when pipelined."""
     moe, fixed = ctx.model.moe, ctx.fixed
     eps = ctx.choices("ep", [1] if moe is None else _divisors(math.gcd(dp * cp, moe.num_experts)))
@@ -147,7 +117,7 @@ def _variants(ctx: _Ctx, dp: int, pp: int, cp: int) -> Iterator[tuple[int, str, 
     return ((ep, sched, v) for ep in eps for sched, v in schedules)
 
 
-def _search(ctx: _Ctx) -> tuple[list[Estimate], Counter]:
+def _search(ctx: PlanContext) -> tuple[list[Estimate], Counter]:
     rejected, found = Counter(), []  # type: tuple[Counter, list[Estimate]]
     for pipelined in (False, True):  # pipelines only when no pp=1 layout fits: DP/ZeRO first
         if any(e.fits for e in found):
@@ -160,8 +130,8 @@ def _search(ctx: _Ctx) -> tuple[list[Estimate], Counter]:
     return found, rejected
 
 
-def _expand(ctx: _Ctx, degrees: tuple[int, ...], schedule: str, v: int, found: list[Estimate],
-            rejected: Counter) -> None:
+def _expand(ctx: PlanContext, degrees: tuple[int, ...], schedule: str, v: int,
+            found: list[Estimate], rejected: Counter) -> None:
     """Zero stages x micro-batches of one set of degrees. A larger micro-batch only needs more
     memory and leaves fewer micro-batches, so the first failure of either ends the sweep."""
     try:
@@ -188,98 +158,15 @@ def _expand(ctx: _Ctx, degrees: tuple[int, ...], schedule: str, v: int, found: l
             if schedule == "interleaved_1f1b" and m % pp:
                 rejected["interleaved_1f1b needs m divisible by pp"] += 1
                 continue
-            est = _estimate(ctx, lay, m)
+            est = estimate_candidate(ctx, lay, m)
             found.append(est)
             if not est.fits:
                 rejected["does not fit in memory"] += 1
                 break
 
 
-# ---- estimates ---------------------------------------------------------------------------------
-def activation_shape(model: ModelArgs, lay: ParallelLayout, dtype_bytes: float,
-                     top_k: int = 1) -> ActivationShape:  # one rank's micro-batch
-    return ActivationShape(model.seq_len, lay.micro_batch_size, model.dim, model.n_heads,
-                           model.ffn_hidden, lay.tp, lay.cp, top_k, dtype_bytes)
-
-
-def _memory(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str,
-            states: MemoryLedger) -> MemoryLedger:
-    """activations: what the engine saves for backward (blocks of in-flight micro-batches, and
-    the head of one, charged to every stage: conservative); buffers: transient working sets."""
-    model = ctx.model
-    shape = activation_shape(model, lay, ctx.dtype_bytes, ctx.top_k)
-    layer = block_activation_bytes(shape, recompute)
-    in_flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)
-    acts = stage_activation_bytes(layer, model.n_layers, lay.pp, in_flight, lay.pp_virtual_stages)
-    acts += head_activation_bytes(shape, model.vocab_size, model.head_dim)
-    # The block being recomputed in backward holds what `none` would, for that block only.
-    buffers = block_activation_bytes(shape, "none") if recompute == "full" else 0.0
-    if lay.zero == 3:  # the current and the prefetched layer are gathered in full
-        per_layer = (ctx.params - ctx.experts * (1 - 1 / lay.ep)) / model.n_layers
-        buffers += 2 * per_layer / lay.tp * ctx.state.weights
-    return MemoryLedger(states.params, states.grads, states.optimizer, acts, buffers)
-
-
-def _step_time(ctx: _Ctx, lay: ParallelLayout, m: int, recompute: str) -> StepTime:
-    model, net, dt = ctx.model, ctx.network, ctx.dtype_bytes
-    cross = crossing_dims(lay.pp, lay.dp, lay.cp, lay.tp, lay.ep, ctx.gpn)
-    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len, recompute,
-                                  ctx.block_params)
-    compute = flops * ctx.gbs * model.seq_len / ctx.flops_per_s
-    b, s_local = ctx.gbs // lay.dp, model.seq_len / lay.cp
-    layers, experts = math.ceil(model.n_layers / lay.pp), ctx.experts
-    t = {**dict.fromkeys(PART_LABELS, 0.0), "compute_s": compute}
-    if lay.tp > 1:  # stage ends charged to every stage: the busiest holds the head
-        comm = tp_comm(b, s_local, model.dim, lay.tp, layers, dt, recompute, model.vocab_size,
-                       (2 * layers + 1) * model.dim * ctx.state.grads)
-        t["tp_comm_s"] = comm.time(net.link(cross["tp"]))
-    dp_link = net.link(cross["dp"] or cross["cp"])
-    dense_grads = (ctx.params - experts) / (lay.tp * lay.pp) * ctx.state.grads
-    per_micro = lay.pp == 1  # pipeline schedules run backward outside the micro-batch loop
-    raw = dp_comm(dense_grads, lay.dp * lay.cp, lay.zero, m, per_micro).time(dp_link)
-    if experts:
-        expert_grads = experts / (lay.tp * lay.pp * lay.ep) * ctx.state.grads
-        expert_dp = dp_comm(expert_grads, lay.dp * lay.cp // lay.ep, lay.zero, m, per_micro)
-        raw += expert_dp.time(dp_link)
-    t["dp_comm_s"] = raw - min(DP_OVERLAP * raw, compute)
-    if lay.pp > 1:
-        comm = pp_comm(lay.micro_batch_size, s_local, model.dim, m, dt, lay.tp)
-        t["pp_comm_s"] = comm.scaled(lay.pp_virtual_stages).time(net.link(cross["pp"]))
-        mb = compute / m  # F : B : W = 1 : 2 : 0.5, as in the bubble defaults
-        t["bubble_s"] = bubble_time(lay.pp_schedule, lay.pp, mb / 3, 2 * mb / 3, mb / 6,
-                                    2 * mb / 3, lay.pp_virtual_stages)
-    if lay.ep > 1 and model.moe is not None:
-        comm = ep_comm(b, s_local, model.dim, model.moe.top_k, lay.ep, layers, dt)
-        t["ep_comm_s"] = comm.time(net.link(cross["ep"]))
-    if lay.cp > 1:
-        comm = cp_comm(b, model.seq_len, model.n_kv_heads // lay.tp, model.head_dim, lay.cp,
-                       layers, dt, m)
-        t["cp_comm_s"] = comm.time(net.link(cross["cp"]))
-    return StepTime(**t)
-
-
-def _estimate(ctx: _Ctx, lay: ParallelLayout, m: int) -> Estimate:
-    """The pinned recompute level, or the lightest that fits (full, the smallest, if none)."""
-    states = model_state_memory(ctx.params, lay.dp, lay.zero, ctx.state, tp=lay.tp, pp=lay.pp,
-                                cp=lay.cp, ep=lay.ep, expert_params=ctx.experts)
-    pinned = ctx.recompute != "auto"
-    recompute = ctx.recompute if pinned else "full"
-    memory = _memory(ctx, lay, m, recompute, states)
-    if not pinned and memory.total <= ctx.budget:  # otherwise nothing lighter can fit either
-        for level in ("none", "selective"):
-            candidate = _memory(ctx, lay, m, level, states)
-            if candidate.total <= ctx.budget:
-                recompute, memory = level, candidate
-                break
-    tokens, model = ctx.gbs * ctx.model.seq_len, ctx.model
-    flops = train_flops_per_token(ctx.active, model.n_layers, model.dim, model.seq_len)
-    return Estimate(lay, recompute, m, memory, _step_time(ctx, lay, m, recompute), ctx.budget,
-                    tokens, flops_per_step=flops * tokens, peak_flops=ctx.peak_flops,
-                    warnings=tuple(soft_warnings(lay, m)))
-
-
 # ---- choice and explanation --------------------------------------------------------------------
-def _no_fit_error(ctx: _Ctx, found: list[Estimate], rejected: Counter) -> PlanError:
+def _no_fit_error(ctx: PlanContext, found: list[Estimate], rejected: Counter) -> PlanError:
     head = (f"no layout of {ctx.gpus} GPUs ({ctx.gpn} per node) fits a {ctx.params / 1e9:.3g}B-"
             f"parameter model in {gib(ctx.budget):.1f} GiB per GPU")
     why = ("; ".join(f"{k}: {v}" for k, v in rejected.most_common())
@@ -316,12 +203,12 @@ def _pinned_degrees(cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
     return pinned
 
 
-def _context(model: ModelArgs, cluster: Cluster, options: PlanOptions) -> _Ctx:
+def _context(model: ModelArgs, cluster: Cluster, options: PlanOptions) -> PlanContext:
     pinned = _pinned_degrees(cluster, options)
     o, gpus, peak = options, cluster.gpus, cluster.peak_flops
     if o.seq_len is not None and o.seq_len != model.seq_len:
         model = replace(model, seq_len=o.seq_len)
-    return _Ctx(model, gpus, cluster.gpus_per_node, o.global_batch_size or 4 * gpus,
+    return PlanContext(model, gpus, cluster.gpus_per_node, o.global_batch_size or 4 * gpus,
                 cluster.gpu_mem_gib * 2 ** 30 * (1 - o.margin), cluster.network,
                 gpus * peak * o.mfu, o.state, o.dtype_bytes, o.max_micro_batch, pinned,
                 model.num_params(), model.num_params(active=True), model.expert_params(),
@@ -341,7 +228,7 @@ def estimate_layout(model: ModelArgs, layout: ParallelLayout, cluster: Cluster,
     problems = layout.batch_problems(ctx.gbs)
     if problems:
         raise PlanError(problems[0])
-    return _estimate(ctx, layout, ctx.gbs // (layout.dp * layout.micro_batch_size))
+    return estimate_candidate(ctx, layout, ctx.gbs // (layout.dp * layout.micro_batch_size))
 
 
 def plan_layout(model: ModelArgs, cluster: Cluster,

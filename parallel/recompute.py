@@ -1,6 +1,6 @@
 """Activation recompute (`parallel.recompute`): what the engine stores for backward, and why.
 
-Levels (the planner charges exactly these; see cost_model.block_activation_bytes):
+Levels (the planner charges exactly these; see memory_model.block_activation_bytes):
 - none: every tensor autograd saves is kept until backward.
 - selective: the attention core (`Attention.attention_fn`: scores, softmax and their product
   with V — torch's SDPA, or ring attention under context parallelism) runs under

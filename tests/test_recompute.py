@@ -17,7 +17,7 @@ from tenax.parallel import (ParallelLayout, SavedTensorMeter, apply_recompute, b
                             cross_entropy_sum, resolve_recompute)
 from tenax.parallel.config import ModelArgs, MoEArgs
 from tenax.parallel.cost_model import block_activation_bytes, head_activation_bytes
-from tenax.parallel.planner import activation_shape
+from tenax.parallel.pricing import activation_shape
 from tenax.parallel.recompute import MARK
 from tests.distributed import run_ranks
 
