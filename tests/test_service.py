@@ -17,6 +17,7 @@ import sys
 import tempfile
 import urllib.request
 from importlib.metadata import version
+from pathlib import Path
 
 import grpc
 import pytest
@@ -347,6 +348,19 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
 
 
 @pytest.mark.slow
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path):
     private = tempfile.mkdtemp(prefix="tx-", dir="/tmp")  # short: Ray's socket paths
     state = tmp_path / "state"
@@ -360,6 +374,12 @@ def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path
         job_id = submit(s, [], job_overrides(tmp_path, "term", [
             "train.steps=5000", "resources.nodes=1", "resources.gpus_per_node=1"]))
         watch(s, [], job_id, timeout_s=120, until=lambda e: e["kind"] == "step")
+        # The embedded service started this node's forkserver before Ray; the job's zygote
+        # adopted it, so the training process is its child (no import paid per job).
+        forkservers = [p for p in children(server.proc.pid)
+                       if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(forkservers) == 1 and children(forkservers[0]), \
+            (forkservers, children(server.proc.pid), server.tail())
         assert server.terminate(timeout_s=120) == 0, server.tail()
         wait_until(lambda: not pids_mentioning(private), 60, "the embedded Ray to exit")
     finally:

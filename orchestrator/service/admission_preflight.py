@@ -29,8 +29,10 @@ class AdmissionPreflight:
     """One job's preflight: `run()` returns False when the job must not start."""
 
     def __init__(self, job_id: str, spec: Any, baseline: dict[str, Any],
-                 capacity_limit: Callable[[], int], record: Record) -> None:
+                 capacity_limit: Callable[[], int], record: Record,
+                 forkserver: dict[str, Any] | None = None) -> None:
         self.job_id, self.spec, self.record = job_id, spec, record
+        self.forkserver = forkserver  # the service's, which the scratch jobs' zygotes adopt
         self.capacity_limit = capacity_limit
         self.summary = str(baseline.get("preflight") or "")  # "" until one ran
         done = self.summary.split(":")[0].split(";")[0] in VERDICTS
@@ -71,7 +73,8 @@ class AdmissionPreflight:
         self.summary = "running"
         try:
             report = run_preflight(self.spec, None, self._publish, self._guard,
-                                   capacity_limit=self.capacity_limit)
+                                   capacity_limit=self.capacity_limit,
+                                   forkserver=self.forkserver)
         except PreflightInterrupted as err:
             self.summary = f"stopped: {err}"
             logger.info("job %s: preflight stopped: %s", self.job_id, err)

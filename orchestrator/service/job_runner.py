@@ -42,9 +42,10 @@ class JobRunner:
         self.owner = ""  # who submitted it (a requeued job keeps counting for them)
         self.extra: list[Callable[[dict[str, Any]], None]] = []  # metrics.attach appends here
         self.controller = Controller(spec, ControllerOptions(
-            job_id=job_id, on_event=self._on_event, capacity_limit=self.allotment))
+            job_id=job_id, on_event=self._on_event, capacity_limit=self.allotment,
+            forkserver=manager.forkserver))
         self.preflight = AdmissionPreflight(job_id, spec, self.baseline, self.allotment,
-                                            self._on_event)
+                                            self._on_event, manager.forkserver)
         self.thread = threading.Thread(target=self._run, name=f"tenax-job-{job_id}", daemon=True)
 
     def allotment(self) -> int:

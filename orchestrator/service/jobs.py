@@ -48,8 +48,10 @@ class JobManager:
     def __init__(self, store: JobStore, collector: Any = None,
                  roots: StorageRoots | None = None,
                  autoscale_max: tuple[int, int] | None = None,
-                 limits: ServiceLimits | None = None) -> None:
+                 limits: ServiceLimits | None = None,
+                 forkserver: dict[str, Any] | None = None) -> None:
         self.store, self.collector = store, collector
+        self.forkserver = forkserver  # this node's, every job's zygote here adopts it
         self.roots = roots  # None: any URI (embedding callers that trust their submitters)
         self.limits = limits or ServiceLimits()
         self.claims = UriClaims()  # checkpoint roots of unfinished jobs

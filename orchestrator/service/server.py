@@ -356,14 +356,14 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
     store = JobStore(config.state_dir, exclusive=True)
     roots = StorageRoots.default(str(store.path.parent), config.storage_roots)
     stop = stop or threading.Event()
-    metrics, server, previous = None, None, None
+    metrics, server, previous, link = None, None, None, None
     try:
-        connect_ray(config.address, config.gpus, config.cpus)
+        link = connect_ray(config.address, config.gpus, config.cpus)
         previous = on_signals(stop)  # after ray.init, which installs a SIGTERM handler of its own
         if config.metrics_port is not None:
             metrics = MetricsServer(config.metrics_port, config.metrics_host)
         manager = JobManager(store, metrics.collector if metrics else None, roots,
-                             config.autoscale_max, config.limits)
+                             config.autoscale_max, config.limits, link.forkserver)
         server = JobServer(manager, ServerOptions(config.host, config.port, config.tokens,
                                                   config.tls_cert, config.tls_key))
         resumed = manager.resume_unfinished()  # after binding: a busy port starts no job
@@ -377,5 +377,7 @@ def serve(config: ServeConfig, ready: Callable[[str], None] | None = None,
         logger.info("shutting down: jobs stay resumable from their committed checkpoints")
     finally:
         shutdown_all(server, metrics, store)
+        if link is not None:
+            link.close()  # after Ray: no job forks from it any more
         restore_signals(previous)
     return 0

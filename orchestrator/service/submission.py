@@ -6,10 +6,12 @@ cluster are independent of how jobs are queued and run.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import yaml
@@ -34,20 +36,50 @@ def default_gpu_slots() -> int:
     return count or (os.cpu_count() or 1)
 
 
-def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> None:
-    """Join a cluster, or start an embedded one on 127.0.0.1 (ray.shutdown() stops it)."""
-    import ray
+@dataclass
+class RayLink:
+    """What `connect_ray` leaves besides Ray itself: with an embedded Ray, this node's
+    forkserver, which every job's zygote on this node adopts ({"node_id", "endpoint"}; None
+    when joining a cluster). `close()` after ray.shutdown() stops it."""
+    forkserver: dict[str, Any] | None = None
+    server: Any = None  # the NodeForkServer this process started
 
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> RayLink:
+    """Join a cluster, or start an embedded one on 127.0.0.1 (ray.shutdown() stops it).
+
+    Embedded, a forkserver with the training stack imported is started first, so that its
+    imports overlap Ray's start, and every job on this node forks its training processes from
+    it: a service job pays no import at all (each job's zygote would otherwise pay one)."""
     if address:
+        import ray
+
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         logger.info("connected to the Ray cluster at %s", address)
-        return
-    slots = gpus if gpus is not None else default_gpu_slots()
-    tmp = tempfile.mkdtemp(prefix="tenax-ray-")
-    ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,
-             include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
-             log_to_driver=False, configure_logging=False)
-    logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s)", slots, tmp)
+        return RayLink()
+    from tenax.workers import PRELOAD, NodeForkServer
+
+    server = NodeForkServer(PRELOAD)
+    try:
+        import ray
+
+        slots = gpus if gpus is not None else default_gpu_slots()
+        tmp = tempfile.mkdtemp(prefix="tenax-ray-")
+        ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,
+                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
+                 log_to_driver=False, configure_logging=False)
+        node = ray.get_runtime_context().get_node_id()
+    except BaseException:
+        server.close()
+        raise
+    logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s); jobs fork from "
+                "forkserver pid %d", slots, tmp, server.endpoint.pid)
+    return RayLink({"node_id": node, "endpoint": dataclasses.asdict(server.endpoint)}, server)
 
 
 def parse_submission(spec_json: str, overrides: list[str],
