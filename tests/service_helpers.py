@@ -85,6 +85,19 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any
         time.sleep(0.1)
 
 
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def pids_mentioning(text: str) -> list[int]:
     """Processes whose command line mentions `text` (a private temp dir of a test)."""
     pids = []

@@ -24,9 +24,9 @@ import pytest
 
 from tenax.testing.jobs import job_overrides
 from tenax.proto import jobs_pb2 as pb
-from tests.service_helpers import (REPO, ServerProcess, auth, bad_rpcs, bad_specs, code_of,
-                                   fuzz_call, of, pids_mentioning, run_cli, states, stub, submit,
-                                   wait_until, watch)
+from tests.service_helpers import (REPO, ServerProcess, auth, bad_rpcs, bad_specs, children,
+                                   code_of, fuzz_call, of, pids_mentioning, run_cli, states, stub,
+                                   submit, wait_until, watch)
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "t0ken-for-tests"
@@ -348,19 +348,6 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
 
 
 @pytest.mark.slow
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):  # not a process, or gone meanwhile
-            continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path):
     private = tempfile.mkdtemp(prefix="tx-", dir="/tmp")  # short: Ray's socket paths
     state = tmp_path / "state"
