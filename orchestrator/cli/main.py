@@ -17,6 +17,7 @@ from tenax.orchestrator.cli.client import register as register_service
 from tenax.orchestrator.cli.data import register as register_data
 from tenax.orchestrator.cli.diagnose import register as register_diagnose
 from tenax.orchestrator.cli.profile import register as register_profile
+from tenax.orchestrator.cli.serve import register as register_serve
 from tenax.orchestrator.cli.export import register as register_export
 from tenax.orchestrator.cli.preflight import register as register_preflight
 
@@ -264,10 +265,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_plan, register_data, register_ckpt,
-                                                                   register_service,
-                                                                   register_diagnose,
-                                                                   register_profile]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_run, _add_plan, register_data, register_ckpt, register_serve, register_service,
+    register_diagnose, register_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:
