@@ -20,35 +20,8 @@ Why this shape (DESIGN.md "Checkpoint storage"; USERS.md: stalls, killed runs, f
   manifest, every rank checks the model hash, and `dcp.load` with `RawReader` reshards into this
   rank's layout; the data cursor and step (hence the LR schedule) come from the manifest.
 
-The async writer was chosen by measurement (bench/checkpoint_bench.py: 310 MB of model+AdamW
-state, dp2 ZeRO-1, 2 ranks on 2 CPU cores shared with other jobs (load 4-8), medians of 5 saves
-per writer, interleaved; lost = blocked + extra time of the steps that ran during the write):
-
-    writer                            blocked s  ÷ sync  step ÷ steady  lost s/save  ÷ sync
-    sync                                  0.450   1.000          -            0.450   1.00
-    thread, shared copy (default)         0.019   0.041        1.05           0.094   0.21
-    thread, copy on training thread       0.052   0.117        1.00           0.089   0.20
-    thread, shared copy, not niced        0.011   0.024        1.38           0.188   0.42
-    fork, copy-on-write snapshot          0.071   0.158        1.50           0.516   1.15
-    DCP async_save (thread executor)      0.464   1.031        1.38           0.744   1.66
-
-Single saves vary up to 10x on this host; an 11-save A/B of the first two thread rows gave
-lost median/mean 0.019/0.22 s (shared copy) vs 0.38/0.31 s (copy on the training thread),
-sync 0.36/0.37 s. What the numbers say:
-- A write that competes for the cores slows every rank, since synchronous training waits for
-  the slowest: the writer thread runs at nice 19 (Linux nice is per thread), which halves the
-  loss. DCP's thread pickles tensors under the GIL at full priority.
-- fork looked cheap (no memcpy), but every page the next step writes then faults and is copied
-  (1.5x steps): it loses more than sync here. It stays available as writer="fork".
-- The copy (155 MB per rank, 40-100 ms here) is what a blocking stage costs. The default
-  starts it in the low-priority writer thread, which mostly gets idle cycles (ranks waiting in
-  collectives); the state cannot change before the next optimizer.step(), so a hook there
-  makes the training thread finish whatever is left at full speed, then wait for copies in
-  flight (`TrainerState.fence_before_update`). Training is rarely blocked at all; at worst it
-  finishes the copy itself at the fence, as a blocking stage would. A fence wait counts in
-  blocked_s.
-- GPU tensors are staged to reused pinned buffers on the training thread (not measured here).
-If a writer cannot start the save falls back to thread, then sync, and logs why. memory:// is
+Which writer writes a planned save, and how its copy is fenced against training, is
+write_launcher.py (chosen by measurement; its docstring has the numbers). memory:// is
 per-process (world size 1 only). A writer given up on cannot commit afterwards (writer.py).
 
 No module-level state and no cached process group: the manager uses whatever default group is
@@ -59,12 +32,10 @@ caches outlive destroy_process_group (tests/ckpt_jobs.py: forget_dtensor_caches)
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
@@ -72,25 +43,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tenax.checkpoint.collectives import all_ranks_agree, dist_on
 from tenax.checkpoint.config import CheckpointConfig
 from tenax.checkpoint.errors import (CatalogError, CheckpointError, CheckpointTimeoutError,
-                                     ModelMismatchError, StateProviderError, StorageError)
+                                     StorageError)
 from tenax.checkpoint.format.catalog import Catalog, version_name
 from tenax.checkpoint.format.manifest import CommitInfo
 from tenax.checkpoint.format.retention_policy import Retention
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.load.loading import check_layout, check_manifest, choose_version, load_into
-from tenax.checkpoint.save.fork_writer import start_fork
 from tenax.checkpoint.save.planning import SavePlans
-from tenax.checkpoint.save.state import (Stager, StateProvider, TrainerState, as_state_provider,
+from tenax.checkpoint.save.state import (StateProvider, TrainerState, as_state_provider,
                                          describe_error, manifest_fields)
-from tenax.checkpoint.save.writer import (Flight, SaveJob, failed_event, fault_for, run_inline,
-                                          start_thread)
-from tenax.checkpoint.tensor_bytes import byte_view
+from tenax.checkpoint.save.writer import Flight, SaveJob, failed_event
+from tenax.checkpoint.write_launcher import WRITERS, WriteLauncher, pick_writer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "StateProvider", "TrainerState", "WRITERS"]
 
-WRITERS = ("auto", "fork", "thread", "sync")
 _SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseException
 
 
@@ -121,25 +89,15 @@ class CheckpointManager:
                                   f"cannot hold a checkpoint of {world} ranks; use file:// or "
                                   f"an object store")
         self.model_hash = config.model_hash
-        self.mode = self._pick_writer(writer)
+        self.mode = pick_writer(writer, config, self.storage)
+        self.launcher = WriteLauncher(self.mode, self.state, rank, self.timeout_s)
         self._flight: Flight | None = None
         self.plans = SavePlans()  # shared with this rank's in-memory snapshots
         self._last_attempt: int | None = None
         self._protect: set[int] = set()
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._stager = Stager()
-        self._fences: list[Any] = []
         self._closed = False
-
-    def _pick_writer(self, writer: str) -> str:
-        if writer == "auto":  # thread: measured to lose the least training time (docstring)
-            writer = "thread" if self.config.async_save else "sync"
-        if writer == "fork" and not (self.storage.is_local and hasattr(os, "fork")):
-            logger.info("%s: fork writer needs a local filesystem; using the thread writer",
-                        self.storage.uri)
-            writer = "thread"
-        return writer
 
     # ---- events --------------------------------------------------------------------------
     def _record(self, event: dict[str, Any] | None) -> None:
@@ -192,14 +150,14 @@ class CheckpointManager:
         self._last_attempt = step
         started, started_wall = time.monotonic(), time.time()
         self._finish_previous()
-        self._drop_fences()
+        self.launcher.drop_fences()
         if not self._agree(self._begin(step)):
             if self.rank != 0:
                 self._record(failed_event(step, "rank 0 could not start the version", self.rank))
             return
         planned = self._plan(step, started, started_wall)
         if planned is not None:
-            self._flight = self._launch(*planned)  # a sync save's flight is already done
+            self._flight = self.launcher.launch(*planned)  # a sync save's is already done
 
     def _finish_previous(self, warn: bool = True) -> None:
         if self._flight is None:
@@ -213,7 +171,7 @@ class CheckpointManager:
                 flight.wait(self.timeout_s)
             self._record(flight.event or failed_event(flight.step, str(exc), self.rank))
             self._flight = None
-            self._stager = Stager()  # a late writer must not share our buffers
+            self.launcher.renew_stager()  # a late writer must not share our buffers
         waited = time.monotonic() - t0
         if warn and waited > 0.01:
             logger.warning("save waited %.2fs for the previous one: checkpoint.every_steps=%d "
@@ -247,80 +205,6 @@ class CheckpointManager:
                                       tuple(sorted(self._protect)))
         return job, planned.tensors
 
-    def _launch(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
-        """Start the write with the chosen writer, falling back to thread, then sync."""
-        order = [self.mode] + [m for m in ("thread", "sync") if m != self.mode]
-        cause = ""
-        for mode in order[order.index(self.mode):]:
-            job.mode = mode
-            try:
-                # thread: a copy the writer owns; fork: the child's copy-on-write view; GPU
-                # tensors always go through (pinned) host buffers first
-                on_gpu = any(t.is_cuda for _, t in tensors)
-                if mode == "thread" and not on_gpu and hasattr(self.state,
-                                                               "fence_before_update"):
-                    return self._start_fenced(job, tensors)
-                copy = mode == "thread" or on_gpu
-                job.pieces = self._stager.stage(tensors) if copy else \
-                    [(o, byte_view(t)) for o, t in tensors]
-                if mode == "sync":
-                    job.blocked_s = None
-                    return run_inline(job)
-                if mode == "thread":
-                    job.blocked_s = time.monotonic() - job.started_at
-                    return start_thread(job)
-                return start_fork(job)
-            except Exception as exc:
-                cause = describe_error(exc)
-                logger.warning("checkpoint step %d: %s writer could not start (%s); "
-                               "falling back", job.step, mode, cause)
-        flight = Flight(job)
-        flight.finish(failed_event(job.step, f"no writer could start: {cause}", self.rank))
-        return flight
-
-    def _start_fenced(self, job: SaveJob, tensors: list[tuple[int, torch.Tensor]]) -> Flight:
-        """Copy the state for the writer without blocking training for the copy.
-
-        The low-priority writer thread copies while the next step runs; at that step's
-        optimizer call (the first moment the state changes) the training thread copies
-        whatever is left itself and waits for copies in progress. That wait is added to the
-        save's blocked_s. If it exceeds timeout_s the save is abandoned (never committed) and
-        training goes on.
-        """
-        staging, reached = self._stager.shared(tensors), threading.Event()
-        late = fault_for(job) == "stage-late"  # drills: copy only once training is at the fence
-
-        def stage() -> list:
-            if late:
-                reached.wait(self.timeout_s)
-            staging.help()
-            if not staging.wait(self.timeout_s):
-                raise CheckpointTimeoutError(f"staging step {job.step} did not finish")
-            return staging.pieces()
-
-        def fence() -> None:
-            if reached.is_set():  # one wait per save; the hook is removed at the next save
-                return
-            reached.set()
-            t0 = time.monotonic()
-            staging.help()
-            if not staging.wait(self.timeout_s) or staging.error:
-                logger.error("staging step %d failed or took over %.0fs (%s); abandoning that "
-                             "save", job.step, self.timeout_s, staging.error or "timeout")
-                job.abandoned.set()
-                self._stager = Stager()  # a late copy keeps the old buffers to itself
-            job.fence_wait_s = time.monotonic() - t0
-
-        self._fences.append(self.state.fence_before_update(fence))
-        job.blocked_s = time.monotonic() - job.started_at
-        return start_thread(job, stage)
-
-    def _drop_fences(self) -> None:
-        # outside optimizer.step(): removing a hook while it runs would mutate its dict
-        for handle in self._fences:
-            handle.remove()
-        self._fences = []
-
     def in_flight(self) -> bool:
         """True while this rank's last save is still being written (or committed, on rank 0)."""
         return self._flight is not None and not self._flight.done()
@@ -351,8 +235,7 @@ class CheckpointManager:
         try:
             self._finish_previous(warn=False)
         finally:
-            self._drop_fences()
-            self._stager.clear()
+            self.launcher.close()
             self._closed = True
 
     def __enter__(self) -> "CheckpointManager":

@@ -27,7 +27,7 @@ ROOMS = {
     "checkpoint": ("", "format", "load", "save", "memory", "^"),
     "orchestrator": ("", "chaos", "placement", "job", "preflight", "service", "cli"),
 }
-TOP_MODULES = {"checkpoint": {"manager", "cli"}}
+TOP_MODULES = {"checkpoint": {"manager", "write_launcher", "cli"}}
 PROJECT = {"tenax", "bench", "tests"}
 SOURCE_DIRS = (*LAYERS, "tenax", "bench", "tests")
 

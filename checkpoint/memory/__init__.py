@@ -19,7 +19,8 @@ from tenax.faces import lazy_face
 
 _MODULES = {
     "snapshot": ("MemorySnapshotter",),
-    "snapshot_store": ("SnapshotDir", "SnapshotStamp", "crc32c_of"),
+    "snapshot_store": ("SnapshotDir",),
+    "snapshot_stamp": ("SnapshotStamp", "crc32c_of"),
     "tmpfs_tree": ("SNAPSHOT_ENV", "JobLock", "file_name_of", "free_space", "job_dir",
                    "snapshot_root", "sweep_stale", "used_bytes"),
     "buffer_maps": ("BufferMaps",),

@@ -12,12 +12,12 @@ Layout and protocol (the in-memory twin of manifest-last):
     <dir>/g<generation>-r<rank>/s<step>/<shard file>, .metadata (rank 0), stamp.json
 
 A snapshot is complete iff its directory has lost the `.partial` suffix, which happens only
-after every byte and then `stamp.json` (sizes and crc32c of every file, the generation, rank,
-world size, step and what a manifest needs) were written. A process killed mid-copy leaves a
-`.partial` directory that is never read (the next write reuses it). Reads check every
-file's size and checksum against the stamp, so a torn or damaged snapshot is refused, not
-loaded. The newest `keep` complete snapshots (by write order, not step: a job that fell back
-to an older storage step writes lower steps later) stay; other generations' leftovers go.
+after every byte and then `stamp.json` (a `SnapshotStamp`, snapshot_stamp.py) were written. A
+process killed mid-copy leaves a `.partial` directory that is never read (the next write reuses
+it). Reads check every file's size and checksum against the stamp, so a torn or damaged
+snapshot is refused, not loaded. The newest `keep` complete snapshots (by write order, not
+step: a job that fell back to an older storage step writes lower steps later) stay; other
+generations' leftovers go.
 
 Buffers are reused, not reallocated: a new snapshot is written over the pages of an old one
 (renamed to `.partial` first, so it turns invisible before a byte changes). Allocating fresh
@@ -25,21 +25,18 @@ tmpfs pages every step cost more than twice the copy itself.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import mmap
 import os
 import shutil
-import time
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np  # at import, not at the first restore: importing it in an agent takes 0.2 s
 
 from tenax.checkpoint.errors import SnapshotError
-from tenax.checkpoint.format.storage import checksum_algorithms
 from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps, reserve
+# The stamp's names stay importable from here (where they were first defined)
+from tenax.checkpoint.memory.snapshot_stamp import SnapshotStamp, crc32c_of
 # The tree's names stay importable from here (where they were first defined)
 from tenax.checkpoint.memory.tmpfs_tree import (SNAPSHOT_ENV, job_dir, snapshot_root,
                                                 write_private)
@@ -54,14 +51,6 @@ STAMP_NAME = "stamp.json"
 SENT_NAME = "sent"
 PARTIAL = ".partial"
 MAX_STAMP_BYTES = 1 << 20
-
-
-def crc32c_of(chunks: Iterable[memoryview | bytes], value: int = 0) -> int:
-    import crc32c
-
-    for chunk in chunks:
-        value = crc32c.crc32c(chunk, value)
-    return value
 
 
 def overwrite(path: str, views: Iterable[memoryview],
@@ -80,58 +69,6 @@ def overwrite(path: str, views: Iterable[memoryview],
     finally:
         os.close(fd)
     return written
-
-
-@dataclass(frozen=True)
-class SnapshotStamp:
-    """What a complete snapshot is: written last, read first (JSON, never pickle)."""
-    generation: int
-    rank: int
-    world: int
-    step: int
-    files: dict[str, list[int]]  # name -> [bytes, crc32c]
-    commit: dict[str, Any]  # layout, model_hash, data_cursor, seed, lr_step, extra
-    written_at: float = field(default_factory=time.time)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(size for size, _ in self.files.values())
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "SnapshotStamp":
-        """The stamp in `text`; SnapshotError for anything else, including numbers that do not
-        fit (1e400 is inf), nesting too deep for the parser and file entries that are not
-        exactly [bytes, crc32c]."""
-        try:
-            doc = json.loads(text)
-            stamp = cls(generation=_count(doc["generation"]), rank=_count(doc["rank"]),
-                        world=_count(doc["world"]), step=_count(doc["step"]),
-                        files={str(k): _file_entry(v) for k, v in doc["files"].items()},
-                        commit=dict(doc["commit"]), written_at=float(doc["written_at"]))
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError,
-                RecursionError) as exc:
-            raise SnapshotError(f"unreadable snapshot stamp: {type(exc).__name__}: "
-                                f"{str(exc)[:200]}") from None
-        if not 0 <= stamp.rank < stamp.world or not math.isfinite(stamp.written_at):
-            raise SnapshotError(f"snapshot stamp out of range: rank {stamp.rank} of "
-                                f"{stamp.world}, written_at {stamp.written_at}")
-        return stamp
-
-
-def _count(value: Any) -> int:
-    """A non-negative integer that fits int64 (JSON's bools and floats are refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise ValueError(f"expected an integer in [0, 2^63), got {str(value)[:40]}")
-    return value
-
-
-def _file_entry(value: Any) -> list[int]:
-    if not isinstance(value, list) or len(value) != 2:
-        raise ValueError(f"a file entry is [bytes, crc32c], got {str(value)[:40]}")
-    return [_count(value[0]), _count(value[1])]
 
 
 def _safe_name(name: str) -> str:
@@ -385,7 +322,3 @@ def _fill(maps: BufferMaps, path: str, size: int, name: str,
         return fill(name, view)
     finally:
         view.release()
-
-
-if "crc32c" not in checksum_algorithms():  # pragma: no cover - crc32c is a dependency
-    logger.warning("crc32c is not installed: in-memory snapshots cannot be checksummed")
