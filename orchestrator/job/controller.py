@@ -16,7 +16,8 @@ observe (poll heartbeats, collect node probes; the ranks' records are accounted 
 run its executor, move to `TRANSITIONS[state][action]`, logging the reason, and idle until the
 next poll, a request or a training process's end. The controller never decides by itself;
 PLACING's decision is the outcome of placing (a layout from `ScalingPolicy`, then start, or a
-failure for `restart_or_fail`).
+failure for `restart_or_fail`). A failure and its recovery (recording it, the node probes, the
+lost nodes at REPLAN) are executed by `FailureRecovery` (failure_recovery.py).
 Every state has a deadline (`states.DEADLINES`) from the job's `Timeouts`, which are derived
 once from the spec and handed to everything that waits. Ranks resume from the newest committed
 checkpoint (resharded into the new layout) inside the rank loop; since data order and init
@@ -36,17 +37,16 @@ import uuid
 from typing import Any
 
 from tenax.orchestrator.chaos.driver import ChaosDriver
-from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery, Rescaling
+from tenax.orchestrator.job.failure_recovery import FailureRecovery
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
 from tenax.orchestrator.job.health_evidence import publish_stragglers
 from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
                                           ScaleRequest)
 from tenax.orchestrator.job.job_policy import (Capacity, JobAction, JobDecision, JobSnapshot,
-                                               Limits, NodeLossPolicy, ScalingPolicy,
-                                               allotted_capacity, decide, preempt_decision,
-                                               restart_or_fail)
+                                               Limits, ScalingPolicy, allotted_capacity, decide,
+                                               preempt_decision, restart_or_fail)
 from tenax.orchestrator.job.options import ControllerOptions, Observer, Subscriber
 from tenax.orchestrator.job.progress import JobProgress
 from tenax.orchestrator.job.states import JobState, next_state, state_deadline_s
@@ -83,6 +83,8 @@ class Controller:
         self._interrupted_by = "Ctrl-C"  # what a KeyboardInterrupt in run() stands for
         self.lost_slots: dict[str, int] = {}  # Ray node id -> GPU slots treated as gone
         self.recovery, self.rescaling = Recovery(), Rescaling()
+        self.failures = FailureRecovery(self.job_id, spec, self.recovery, self.lost_slots,
+                                        self.publish)
         self.progress = JobProgress(self.job_id, Goodput(self.state_since,
                                                          launched_at=options.launched_at))
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
@@ -203,18 +205,13 @@ class Controller:
             elif isinstance(request, PreemptRequest):
                 self.preempt_reason = request.reason
             elif isinstance(request, NodeLostReport):
-                logger.warning("job %s: node block %d reported lost: %s", self.job_id,
-                               request.block, request.reason)
-                self.recovery.reported_lost.add(request.block)
+                self.failures.note_node_lost(request)
 
     def _observe(self) -> list[dict[str, Any]]:
         """Gather this state's facts: heartbeats and records, or node probe answers."""
         interval = self.timeouts.heartbeat_interval_s
         if self.state == JobState.RECOVERING:
-            if not self.recovery.probes.started:
-                self.recovery.probes.start(NodeLossPolicy().suspects(self._snapshot()),
-                                           self.group.agents_by_node() if self.group else None)
-            self.recovery.probes.collect(interval)
+            self.failures.probe(self.group, self._snapshot, interval)
             return []
         if self.state not in (JobState.RUNNING, JobState.RESCALING) or self.group is None:
             return []
@@ -239,10 +236,8 @@ class Controller:
                 self.placer.turn_off_snapshots(str(notice.fields.get("reason", "")))
 
     def _snapshot(self) -> JobSnapshot:
-        now, rec = time.monotonic(), self.recovery
-        failure = rec.failure
-        recovering = self.state == JobState.RECOVERING
-        ranks = rec.health if recovering else \
+        now = time.monotonic()
+        ranks = self.recovery.health if self.state == JobState.RECOVERING else \
             tuple(self.group.health()) if self.group is not None else ()
         capacity = 0
         evicting = any(f.action == "evict" for f in self.new_flags)
@@ -256,12 +251,7 @@ class Controller:
             state_deadline_s=state_deadline_s(self.state, self.timeouts),
             cancel_requested=self.cancel_requested, stragglers=self.new_flags,
             capacity_nodes=capacity, current_nodes=-(-world // self.limits.gpus_per_node),
-            target_nodes=self._target_nodes,
-            failed_ranks=failure.failed_ranks if failure else (),
-            known_lost=failure.lost_nodes if failure else (),
-            reported_lost=tuple(sorted(rec.reported_lost)), probed=rec.probes.nodes,
-            answered=tuple(rec.probes.answered), refused=tuple(rec.probes.refused),
-            failure_reason=failure.reason if failure else "")
+            target_nodes=self._target_nodes, **self.failures.snapshot_facts())
 
     def _idle(self) -> None:
         """Nothing new: until the next heartbeat poll, a request, or a training process's end."""
@@ -338,16 +328,9 @@ class Controller:
         return placed.reuse
 
     def _on_failure(self, decision: JobDecision) -> None:
-        """RESTART and FAIL: report the root cause; keep the facts RECOVERING decides from."""
-        rec = self.recovery
-        rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
-        rec.health = tuple(self.group.health()) if self.group is not None else ()
-        rec.probes.reset()
-        if decision.failed_ranks:  # a hang's stacks first: before anything is killed
-            evidence = hang_evidence(self.group, self.spec, decision.cause_kind)
-            self.publish("failure", step=self.progress.max_step_seen,
-                         rank=decision.failed_ranks[0], ranks=list(decision.failed_ranks),
-                         cause=decision.reason, kind=decision.cause_kind, **evidence)
+        """RESTART and FAIL: record the failure (failure_recovery.py); a FAIL or a failed
+        placement stops the group."""
+        self.failures.record_failure(decision, self.group, self.progress.max_step_seen)
         if decision.action == JobAction.FAIL or decision.cause_kind == "placement":
             self._stop_group(keep_snapshots=decision.action != JobAction.FAIL)  # restart cold
 
@@ -368,14 +351,9 @@ class Controller:
         if self.state == JobState.RESCALING:
             self.rescaling.stopped = True
             return
-        for node, slots in decision.lost_nodes:
-            self.lost_slots[node] = self.lost_slots.get(node, 0) + slots
-            logger.warning("job %s: node %s lost (%d slot(s))", self.job_id, node[:8], slots)
-        if self.group is not None:  # by block: blocks may share a Ray node (one raylet)
-            self.group.mark_blocks_lost(decision.lost_blocks)
+        self.failures.drop_lost_nodes(decision, self.group)
         self.restarts += 1
-        self.recovery.reported_lost.clear()
-        self.recovery.probes.reset()
+        self.failures.reset()
 
     def _stop_group(self, keep_snapshots: bool = False) -> None:
         if self.group is not None:
