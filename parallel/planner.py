@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 from tenax.parallel.config import ModelArgs
 from tenax.parallel.cost_model import Network
 from tenax.parallel.errors import LayoutError, PlanError
-from tenax.parallel.estimate import Estimate, PlanResult, choose_best
+from tenax.parallel.estimate import ZERO_PREFERENCE, Estimate, PlanResult, choose_best
 from tenax.parallel.pricing import PlanContext, estimate_candidate
 from tenax.parallel.layout import ParallelLayout
 from tenax.parallel.memory_model import FP32_ADAMW, MIXED_ADAMW, RECOMPUTE, StateBytes, gib
@@ -39,7 +39,6 @@ H100_BF16_PEAK = 989e12     # dense bf16 FLOP/s of one H100 SXM
 MAX_MICRO_BATCH = 8
 MIN_CP_CHUNK = 1024         # free cp only when each rank keeps >= this many tokens of a sequence
 MAX_VIRTUAL = 4             # interleaved stages tried: 2..4 (more mostly adds p2p)
-ZERO_PREFERENCE = (1, 2, 0, 3)
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
 
 
