@@ -112,18 +112,26 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return LlamaConfig(**fields)
 
 
+def save_random(model_class: Any, config: Any, path: Path, seed: int) -> Any:
+    """`model_class(config)` randomly initialised from `seed`, saved with save_pretrained at
+    `path`."""
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # away from 1, so a skipped or swapped norm would show
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):  # a router sharp enough that a wrong expert
+                p.normal_(0.0, 0.5)             # order or transpose changes the top_k
+    model.save_pretrained(str(path))
+    return model
+
+
 def random_hf_model(path: Path, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialised tiny LlamaForCausalLM saved with save_pretrained at `path`."""
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides)).float().eval()
-    with torch.no_grad():  # norms away from 1 so a skipped or swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
-    return model
+    return save_random(LlamaForCausalLM, tiny_llama_config(**overrides), path, seed)
 
 
 def tiny_mixtral_config(**overrides: Any) -> Any:
@@ -145,16 +153,19 @@ def random_hf_mixtral(path: Path, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialised tiny MixtralForCausalLM saved with save_pretrained at `path`."""
     from transformers import MixtralForCausalLM
 
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(tiny_mixtral_config(**overrides)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # away from 1, so a skipped or swapped norm would show
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("gate.weight"):  # a router sharp enough that a wrong expert
-                p.normal_(0.0, 0.5)             # order or transpose changes the top_k
-    model.save_pretrained(str(path))
-    return model
+    return save_random(MixtralForCausalLM, tiny_mixtral_config(**overrides), path, seed)
+
+
+def save_checkpoints(root: Path, layouts: dict[str, dict[str, Any]], extra: list[str]
+                     ) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+    """name -> (checkpoint URI, full params at the saved step) of a 2-rank job per layout."""
+    from tests.distributed import run_ranks
+
+    out = {}
+    for name, layout in layouts.items():
+        uri = f"file://{root}/{name}"
+        out[name] = (uri, run_ranks(save_job, 2, uri, layout, extra)[0])
+    return out
 
 
 def tokens_for(vocab: int = 128, seq: int = 16, batch: int = 2, seed: int = 1) -> torch.Tensor:

@@ -27,12 +27,7 @@ LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """name -> (checkpoint URI, full params at the saved step), from 2-rank jobs."""
-    root = tmp_path_factory.mktemp("hf_ckpts")
-    out = {}
-    for name, layout in LAYOUTS.items():
-        uri = f"file://{root}/{name}"
-        out[name] = (uri, run_ranks(hf_jobs.save_job, 2, uri, layout, [])[0])
-    return out
+    return hf_jobs.save_checkpoints(tmp_path_factory.mktemp("hf_ckpts"), LAYOUTS, [])
 
 
 def _assert_logits(out: Path, params: dict[str, torch.Tensor], extra: list[str]) -> None:

@@ -30,12 +30,8 @@ E, TOP_K = 4, 2
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """name -> (checkpoint URI, full params at the saved step), from 2-rank MoE jobs."""
-    root = tmp_path_factory.mktemp("mixtral_ckpts")
-    out = {}
-    for name, layout in EXPORT_LAYOUTS.items():
-        uri = f"file://{root}/{name}"
-        out[name] = (uri, run_ranks(hf_jobs.save_job, 2, uri, layout, hf_jobs.MOE_TINY)[0])
-    return out
+    return hf_jobs.save_checkpoints(tmp_path_factory.mktemp("mixtral_ckpts"), EXPORT_LAYOUTS,
+                                    hf_jobs.MOE_TINY)
 
 
 @pytest.fixture(scope="module")
