@@ -8,13 +8,10 @@ the workers; committed checkpoints stay intact, so running the same command agai
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
-import tempfile
 import threading
 from typing import Any, Iterator, TextIO
 
@@ -45,25 +42,17 @@ def ray_session(address: str | None, spec: JobSpec) -> Iterator[dict[str, Any] |
         finally:
             ray.shutdown()
         return
-    from tenax.workers import PRELOAD, NodeForkServer
+    from tenax.orchestrator.service.submission import connect_ray
 
-    server = NodeForkServer(PRELOAD)  # before importing Ray: it imports while Ray does, and starts
+    # The forkserver starts before Ray: it imports while Ray starts.
+    link = connect_ray(None, spec.resources.max_nodes * spec.resources.gpus_per_node, None)
     try:
+        yield link.forkserver
+    finally:
         import ray
 
-        slots = spec.resources.max_nodes * spec.resources.gpus_per_node
-        tmp = tempfile.mkdtemp(prefix="tenax-ray-")
-        ray.init(num_cpus=max(os.cpu_count() or 1, slots), num_gpus=slots,
-                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
-                 log_to_driver=False, configure_logging=False)
-        logger.info("started an embedded Ray with %d GPU slots (temp dir %s)", slots, tmp)
-        try:
-            yield {"node_id": ray.get_runtime_context().get_node_id(),
-                   "endpoint": dataclasses.asdict(server.endpoint)}
-        finally:
-            ray.shutdown()
-    finally:
-        server.close()
+        ray.shutdown()
+        link.close()
 
 
 @contextlib.contextmanager
