@@ -13,7 +13,7 @@ Launch is the bench's clock just before the command starts; the first step is ra
 clock at the end of step 1 (both sides stamp it the same way). Runs interleave (torchrun,
 Tenax, torchrun, ...) so load hits both alike; the figure is the median over reps of
 torchrun ÷ Tenax (goal >= 0.8). Each Tenax run's `done` event carries its `cold_start`
-breakdown (orchestrator/job/goodput_cold_start.py), reported as each phase's median share.
+breakdown (orchestrator/job/goodput_cold_start.py), reported as each phase's median seconds.
 The recovery row is the first Tenax run of the largest world (`--quick`: the smallest) run
 with `--chaos "kill rank=1 at=5; kill rank=1 at=10; ..."` (`--kills`, default 3; `--quick` 1):
 the median over the kills of the failure event -> the first step after `recovered` (what a
@@ -185,11 +185,11 @@ def grow(world: int, tmp: str) -> dict[str, Any]:
             "controller_s": scaled["seconds"], "lost_steps": scaled["lost_steps"]}
 
 
-def median_shares(breakdowns: list[dict[str, float]]) -> dict[str, float]:
+def median_phases(breakdowns: list[dict[str, float]]) -> dict[str, float]:
     from tenax.orchestrator.job.goodput_cold_start import durations
 
-    shares = [durations(b) for b in breakdowns]
-    return {p: statistics.median(s[p] for s in shares) for p in shares[0]}
+    spans = [durations(b) for b in breakdowns]
+    return {p: statistics.median(s[p] for s in spans) for p in spans[0]}
 
 
 def report(cases: list[dict[str, Any]], kill: dict[str, Any], grown: dict[str, Any] | None,
@@ -203,9 +203,9 @@ def report(cases: list[dict[str, Any]], kill: dict[str, Any], grown: dict[str, A
                 f"torchrun {statistics.median(case['torchrun_s']):.2f} s, Tenax "
                 f"{statistics.median(case['tenax_s']):.2f} s (medians of "
                 f"{len(case['ratios'])})")
-        for phase, seconds in median_shares(case["cold_start"]).items():
+        for phase, seconds in median_phases(case["cold_start"]).items():
             rep.add(f"  {w} ranks: {phase}", seconds, unit="s",
-                    note="share of Tenax's cold start (median)")
+                    note="seconds in this phase of Tenax's cold start (median)")
     rep.add(f"{kill['world']} ranks: failure → resumed step", kill["resume_s"], unit="s",
             note=f"median of {kill['kills']}; controller {kill['controller_s']:.2f} s; from "
             f"{kill['source']}, {kill['lost_steps']} step(s) lost in all")
