@@ -1,6 +1,7 @@
 """tenax.parallel — the engine: layouts, the planner, the model and every kind of parallelism.
 
-- Config: `ModelArgs`, `MoEArgs`, `RopeScalingArgs` (plain dataclasses the caller builds from the job spec).
+- Config: `ModelArgs`, `MoEArgs`, `RopeScalingArgs` (plain dataclasses the caller builds from
+  the job spec).
 - Layouts: `ParallelLayout` (degrees, rank <-> coordinates, device mesh), `layout_for`,
   `degree_problems`, `MESH_DIMS`, `SCHEDULES`.
 - Planning (pure arithmetic, torch-free): `plan_layout(model, Cluster, PlanOptions)`,
@@ -46,7 +47,8 @@ _MODULES = {
                     "ledger_snapshot_bytes", "node_snapshot_footprint", "rank_snapshot_bytes",
                     "snapshot_footprint"),
     "model": ("Attention", "Transformer", "build_model", "canonical_param_name",
-              "cross_entropy_sum", "init_weights", "param_seed", "rotary_cos_sin", "rotary_inv_freq", "tie_output"),
+              "cross_entropy_sum", "init_weights", "param_seed", "rotary_cos_sin",
+              "rotary_inv_freq", "tie_output"),
     "parallel_model": ("ParallelGroups", "ParallelModel", "build_groups", "parallelize"),
     "recompute": ("SavedTensorMeter", "apply_recompute", "engine_recompute", "resolve_recompute"),
     "pipeline_parallel": ("PipelineRunner",),

@@ -69,7 +69,8 @@ class CommCounter(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None):
         kind = collective_kind(func)
         if kind is not None:
             self.counts[kind] += 1

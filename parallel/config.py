@@ -58,7 +58,8 @@ class ModelArgs:
         scaling = fields.pop("rope_scaling", None)
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"model: unknown keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
+            raise ValueError(f"model: unknown keys {unknown} "
+                             f"(known: {sorted(cls.__dataclass_fields__)})")
         return cls(**fields, moe=MoEArgs(**moe) if moe is not None else None,
                    rope_scaling=RopeScalingArgs(**scaling) if scaling is not None else None)
 

@@ -306,7 +306,8 @@ class DataParallel:
         if self.zero == 0:
             return
         for bucket in self.buckets:
-            send = torch.cat([self._padded_chunk(p, c) for p, c in zip(bucket.params, bucket.chunks)])
+            send = torch.cat([self._padded_chunk(p, c)
+                              for p, c in zip(bucket.params, bucket.chunks)])
             recv = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
             all_gather_flat(recv, send, group=self.group)
             rows = recv.view(self.world, -1)

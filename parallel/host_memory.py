@@ -4,8 +4,9 @@ Every rank with `checkpoint.memory_every_steps > 0` keeps 2 local snapshot buffe
 training state in its current layout (double buffered, so a process killed mid-copy never
 leaves a torn "latest"), and its agent holds 2 replica buffers of one rank of the previous node
 block (ring: block k's ranks live on block k+1's agents; two, because the ranks of a node that
-is lost mid-send may have delivered different steps, and the older one must still be whole). Buffers are rewritten in place, never
-allocated beside the old ones (checkpoint/memory/snapshot_store.py), so there is no transient extra.
+is lost mid-send may have delivered different steps, and the older one must still be whole).
+Buffers are rewritten in place, never allocated beside the old ones
+(checkpoint/memory/snapshot_store.py), so there is no transient extra.
 Per rank on a node:
 
     steady = peak = 4 x S        (S = one rank's snapshot state bytes)

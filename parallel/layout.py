@@ -51,7 +51,8 @@ class ParallelLayout:
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"layout.zero: {self.zero!r} must be 0, 1, 2 or 3")
         if self.pp_schedule not in SCHEDULES:
-            raise LayoutError(f"layout.pp_schedule: {self.pp_schedule!r} must be one of {SCHEDULES}")
+            raise LayoutError(f"layout.pp_schedule: {self.pp_schedule!r} must be one of "
+                              f"{SCHEDULES}")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(f"layout.ep: {self.ep} does not divide dp*cp={self.dp * self.cp}")
         object.__setattr__(self, "_shape", (self.pp, self.dp, self.cp, self.tp))
@@ -161,7 +162,8 @@ class ParallelLayout:
         if dim in ("ep", "edp"):
             return self._ep_groups(dim == "edp")
         if dim not in MESH_DIMS:
-            raise LayoutError(f"unknown dimension {dim!r}; expected one of {MESH_DIMS + ('ep', 'edp')}")
+            raise LayoutError(f"unknown dimension {dim!r}; expected one of "
+                              f"{MESH_DIMS + ('ep', 'edp')}")
         axis = MESH_DIMS.index(dim)
         others = [range(s) for i, s in enumerate(self._shape) if i != axis]
         out = []
@@ -283,7 +285,8 @@ def degree_problems(model: ModelArgs, degrees: Mapping[str, Any],
     if ep is not None and ep > 1 and model.moe is None:
         out.append(f"parallel.ep: {ep} needs model.moe to be set")
     elif ep is not None and model.moe is not None and model.moe.num_experts % ep:
-        out.append(f"parallel.ep: {ep} does not divide model.moe.num_experts={model.moe.num_experts}")
+        out.append(f"parallel.ep: {ep} does not divide "
+                   f"model.moe.num_experts={model.moe.num_experts}")
     if global_batch_size is not None and "micro_batch_size" in degrees:
         out.extend(batch_problems(global_batch_size, degrees["micro_batch_size"], known("dp"),
                                   pp or 1, virtual))

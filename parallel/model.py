@@ -77,7 +77,8 @@ def rotary_inv_freq(head_dim: int, theta: float = ROPE_THETA,
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = ROPE_THETA,
                    scaling: RopeScalingArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [b or 1, s, 1, head_dim // 2] for global token `positions` ([s] or [b, s])."""
+    """cos/sin of shape [b or 1, s, 1, head_dim // 2] for global token `positions` ([s] or
+    [b, s])."""
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
     if positions.dim() != 2:

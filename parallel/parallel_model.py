@@ -91,7 +91,8 @@ class ParallelModel:
         return [p for dp in self.dps for p in dp.optimizer_params()]
 
 
-def _build_parts(spec: ModelArgs, layout: ParallelLayout, pp_rank: int) -> tuple[list[nn.Module], list[int]]:
+def _build_parts(spec: ModelArgs, layout: ParallelLayout,
+                 pp_rank: int) -> tuple[list[nn.Module], list[int]]:
     if layout.pp == 1:
         with torch.device("meta"):
             return [Transformer(spec)], [0]

@@ -57,7 +57,8 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-def build_stage_module(spec: ModelArgs, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+def build_stage_module(spec: ModelArgs, layer_ids: list[int], first: bool,
+                       last: bool) -> Transformer:
     """A Transformer that keeps only `layer_ids` (built on the current default device)."""
     model = Transformer(spec)
     for key in list(model.layers.keys()):
@@ -113,7 +114,8 @@ class PipelineRunner:
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], float, float]:
+    def step(self, inputs: torch.Tensor,
+             targets: torch.Tensor) -> tuple[list[torch.Tensor], float, float]:
         """Run all micro-batches: (per-micro-batch losses on the last stage, busy s, wall s)."""
         self.busy[0] = 0.0
         start = time.perf_counter()
@@ -129,7 +131,8 @@ def _make_schedule(name: str, stages: list[PipelineStage], n_micro: int,
     common = dict(n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     if name in ("gpipe", "1f1b"):
         if len(stages) != 1:
-            raise ValueError(f"parallel.pp_schedule {name!r} runs one stage per rank, got {len(stages)}")
+            raise ValueError(f"parallel.pp_schedule {name!r} runs one stage per rank, "
+                             f"got {len(stages)}")
         cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
         return cls(stages[0], **common)
     if name == "interleaved_1f1b":

@@ -301,13 +301,14 @@ class FaultToleranceSpec(StrictSection):
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     hang_timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(10, ge=0)
-    # chosen by bench/straggler_bench.py (docs/operations.md); acted on in orchestrator/job/health.py
+    # chosen by bench/straggler_bench.py (docs/operations.md); acted on in
+    # orchestrator/job/health.py
     straggler_threshold: float = Field(0.9, gt=0, lt=1)
     straggler_action: Literal["ignore", "alert", "evict"] = "alert"
 
     @model_validator(mode="after")
     def _timeouts(self) -> "FaultToleranceSpec":
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(f"fault_tolerance.heartbeat_timeout_s: {self.heartbeat_timeout_s} must "
-                             f"exceed heartbeat_interval_s={self.heartbeat_interval_s}")
+            raise ValueError(f"fault_tolerance.heartbeat_timeout_s: {self.heartbeat_timeout_s} "
+                             f"must exceed heartbeat_interval_s={self.heartbeat_interval_s}")
         return self

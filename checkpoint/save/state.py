@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class StateProvider(Protocol):
-    """What the manager needs from a trainer; `TrainerState` adapts `tenax.workers.trainer.Trainer`."""
+    """What the manager needs from a trainer; `TrainerState` adapts
+    `tenax.workers.trainer.Trainer`."""
 
     step: int
 

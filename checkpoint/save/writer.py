@@ -12,8 +12,8 @@ Runners (chosen by the manager; see its docstring for the measurements behind th
 - `start_thread` (the default for `checkpoint.async: true`): a thread whose OS priority is
   lowered (Linux lets a thread have its own nice value) writes from host copies; with a
   `stage` callback it also makes those copies first (the manager's fenced, shared staging).
-- `start_fork` (fork_writer.py): fork a child at the same low priority that writes from a copy-on-write
-  snapshot of the live tensors (staging costs a fork instead of a memcpy). Measured to lose
+- `start_fork` (fork_writer.py): fork a child at the same low priority that writes from a
+  copy-on-write snapshot of the live tensors (staging costs a fork instead of a memcpy). Measured to lose
   more training time than the thread (every page the next step writes faults and is copied);
   kept as an option and for the benchmark. Local filesystems only: memory:// is per-process,
   and object-store clients hold event loops that do not survive a fork.

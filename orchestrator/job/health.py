@@ -46,8 +46,8 @@ host's (tests/test_health.py). Measured on the bench's recordings, the noise bou
 rank's busy time measures CPU starvation, not its speed, and no threshold helps (README).
 z = 3.09 flagged a healthy rank in 1 of 80 trials recorded at load 10-13, hence 3.29. The
 threshold adds the user's margin on top: a rank k× slower scores 1/k, so threshold t flags
-slowdowns above 1/t (0.9: above 1.11×); docs/operations.md, Stragglers, has the bench's table, the load
-it was measured under and why the default is 0.9.
+slowdowns above 1/t (0.9: above 1.11×); docs/operations.md, Stragglers, has the bench's table,
+the load it was measured under and why the default is 0.9.
 Its action comes from `fault_tolerance.straggler_action`: `ignore` (score metric only),
 `alert` (a `straggler` event and a warning; the default) or `evict` (the controller restarts
 the job without that rank's node and re-plans the layout; `job_policy.EvictionPolicy` decides

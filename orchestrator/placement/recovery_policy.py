@@ -64,7 +64,7 @@ def choose_recovery_source(pieces: Sequence[SnapshotPiece],
     holders = tuple((r, by_rank[r].holder, by_rank[r].kind) for r in range(world))
     source = "replica" if any(kind == "replica" for _, _, kind in holders) else "memory"
     replicas = [r for r, _, kind in holders if kind == "replica"]
+    via = f", ranks {replicas} from replicas" if replicas else ""
     return RecoverySource(source, step, generation, world, holders,
-                          reason=f"step {step} is complete in memory ({world} ranks"
-                                 f"{', ranks ' + str(replicas) + ' from replicas' if replicas else ''}"
-                                 f"); storage: {stored}")
+                          reason=f"step {step} is complete in memory ({world} ranks{via}); "
+                                 f"storage: {stored}")
