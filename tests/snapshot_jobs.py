@@ -53,7 +53,8 @@ def load_both_job(rank: int, world: int, storage_uri: str, memory_uri: str) -> d
             events = mgr.drain_events()
         out[name] = {"step": step, "state": full_state(trainer),
                      "cursor": trainer.loader.state_dict()["samples_consumed"],
-                     "source": [e.get("source") for e in events if e["event"] == "checkpoint_loaded"]}
+                     "source": [e.get("source") for e in events
+                                if e["event"] == "checkpoint_loaded"]}
     return out if rank == 0 else {}
 
 

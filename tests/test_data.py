@@ -1,5 +1,6 @@
-"""Tests for workers/data/loader.py: the data order is a pure function of (seed, global sample index),
-independent of dp, resumable under another dp, and token files are read by byte ranges only."""
+"""Tests for workers/data/loader.py: the data order is a pure function of (seed, global sample
+index), independent of dp, resumable under another dp, and token files are read by byte ranges
+only."""
 from __future__ import annotations
 
 import json
@@ -60,7 +61,8 @@ def test_global_batches_identical_for_any_dp() -> None:
             x, y = global_batch(loader, step, dp)
             assert torch.equal(x, ref_x) and torch.equal(y, ref_y), (step, dp)
     assert not torch.equal(global_batch(loader, 0, 1)[0], global_batch(loader, 1, 1)[0])
-    assert not torch.equal(global_batch(synthetic(seed=SEED + 1), 0, 1)[0], global_batch(loader, 0, 1)[0])
+    other = global_batch(synthetic(seed=SEED + 1), 0, 1)[0]
+    assert not torch.equal(other, global_batch(loader, 0, 1)[0])
 
 
 def test_step_is_a_window_of_global_samples() -> None:
@@ -71,7 +73,8 @@ def test_step_is_a_window_of_global_samples() -> None:
     assert torch.equal(x, direct[:, :-1]) and torch.equal(y, direct[:, 1:])
     # A different global batch size reuses the same global sample order.
     big = synthetic(global_batch_size=2 * G)
-    assert torch.equal(big.batch(1, 0, 1)[0], torch.cat([loader.batch(2, 0, 1)[0], loader.batch(3, 0, 1)[0]]))
+    halves = [loader.batch(2, 0, 1)[0], loader.batch(3, 0, 1)[0]]
+    assert torch.equal(big.batch(1, 0, 1)[0], torch.cat(halves))
 
 
 def test_synthetic_samples_are_learnable_progressions() -> None:
@@ -205,7 +208,8 @@ def test_token_file_roundtrip_memory(mem_root: str) -> None:
 
 def test_token_file_roundtrip_local_uint8(tmp_path: Path) -> None:
     texts = [b"abcdefghij" * 40, b"0123456789" * 30]
-    check_roundtrip(tmp_path.as_uri(), (tmp_path / "nested" / "t.bin").as_uri(), texts, "uint8", None)
+    check_roundtrip(tmp_path.as_uri(), (tmp_path / "nested" / "t.bin").as_uri(), texts, "uint8",
+                    None)
     with pytest.raises(ValueError, match="eos_id 256 does not fit token_dtype 'uint8'"):
         prepare_token_file([(tmp_path / "doc0.txt").as_uri()], (tmp_path / "x.bin").as_uri(),
                            token_dtype="uint8")

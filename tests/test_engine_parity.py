@@ -24,6 +24,10 @@ def reference(optimizer: str) -> dict:
     return run_ranks(train_job, 1, {"micro_batch_size": 1}, optimizer, STEPS, extra)[0]
 
 
+def layout_id(layout: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in layout.items())
+
+
 def world_of(layout: dict) -> int:
     return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
 
@@ -45,20 +49,22 @@ SGD_LAYOUTS = [dict(dp=2, zero=z) for z in range(4)] + [dict(dp=4, zero=z) for z
     pytest.param(dict(dp=2, tp=2, zero=3), marks=SLOW), dict(dp=2, tp=2, zero=1)]
 
 
-@pytest.mark.parametrize("layout", SGD_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("layout", SGD_LAYOUTS, ids=layout_id)
 def test_sgd_parity(layout):
     ref = reference("sgd")
-    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "sgd", STEPS, SGD)[0]
+    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "sgd", STEPS,
+                    SGD)[0]
     assert ref["loss"][-1] < ref["loss"][0] - 0.05, "the reference must actually learn"
     assert_matches(out, ref, param_tol=1e-5)
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=4, zero=3),
                                     pytest.param(dict(dp=2, tp=2, zero=2), marks=SLOW)],
-                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+                         ids=layout_id)
 def test_adamw_parity(layout):
     ref = reference("adamw")
-    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "adamw", STEPS, [])[0]
+    out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "adamw", STEPS,
+                    [])[0]
     assert_matches(out, ref, param_tol=1e-4)
 
 
@@ -88,7 +94,7 @@ def reference_with(extra: tuple[str, ...]) -> dict:
     return run_ranks(train_job, 1, {"micro_batch_size": 1}, "sgd", STEPS, [*SGD, *extra])[0]
 
 
-@pytest.mark.parametrize("layout", PP_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("layout", PP_LAYOUTS, ids=layout_id)
 def test_pipeline_and_context_parity(layout):
     ref = reference_with(tuple(FOUR_LAYERS))
     out = run_ranks(train_job, world_of(layout), {**layout, "micro_batch_size": 1}, "sgd", STEPS,
@@ -101,7 +107,7 @@ MOE = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 4.0, aux_loss_coef
 
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, ep=2, zero=0),
                                     dict(dp=4, ep=4, zero=2), dict(dp=4, ep=2, zero=1)],
-                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+                         ids=layout_id)
 def test_moe_expert_parallel_parity(layout):
     """Aux loss is in the objective: grad norms and parameters would differ without it."""
     ref = reference_with(tuple(MOE))

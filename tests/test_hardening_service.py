@@ -87,7 +87,8 @@ def test_a_long_bad_value_is_echoed_as_a_short_prefix() -> None:
 @pytest.mark.slow  # an in-process gRPC server
 @pytest.mark.parametrize("override", ["train.steps=9223372036854775808",
                                       "train.steps=100000000", "resources.nodes=2147483648",
-                                      "resources.gpus_per_node=4294967296", "parallel.tp=2147483648",
+                                      "resources.gpus_per_node=4294967296",
+                                      "parallel.tp=2147483648",
                                       "train.seed=18446744073709551616", "train.lr=.inf"])
 def test_numbers_beyond_their_wire_type_are_refused_and_nothing_stored(
         server: dict[str, Any], override: str) -> None:

@@ -78,17 +78,20 @@ def test_policy_tests_the_mean_of_recent_windows_not_each_window() -> None:
 def test_policy_does_not_flag_within_the_noise_of_the_healthy_ranks() -> None:
     """0.87 is below a 0.9 threshold. With quiet healthy ranks it is a straggler; where healthy
     ranks wander by ±0.1 a window (σ = 1.4826 × MAD of the log scores = 0.149), 2-3 windows
-    cannot tell it from noise (bounds e^(-3.29·σ/√2) = 0.71, e^(-3.29·σ/√3) = 0.75): no flag."""
+    cannot tell it from noise (bounds e^(-3.29·σ/√2) = 0.71, e^(-3.29·σ/√3) = 0.75): no
+    flag."""
     policy = StragglerPolicy(threshold=0.9)
     quiet = [win({0: 1.0, 1: 1.01, 2: 0.99, 3: 0.87}) for _ in range(6)]
     assert policy.make_decision(quiet).stragglers == ((3, 0.87),)
-    noisy = [{0: 1.1 if i % 2 else 0.9, 1: 0.9 if i % 2 else 1.1, 2: 1.0, 3: 0.87} for i in range(6)]
+    noisy = [{0: 1.1 if i % 2 else 0.9, 1: 0.9 if i % 2 else 1.1, 2: 1.0, 3: 0.87}
+             for i in range(6)]
     assert policy.noise([win(w) for w in noisy], 3) == pytest.approx(0.149, abs=0.001)
     assert policy.make_decision([win(w) for w in noisy]).action == "none"
     slower = [win({**w, 3: 0.7}) for w in noisy]
     assert policy.make_decision(slower).stragglers == ((3, 0.7),)
     assert policy.noise([win({0: 1.0, 1: 0.5})] * 4, 1) == NOISE_FLOOR  # reference never moves
-    # steps that scatter ±0.2 within identical windows: σ = 1.4826 · 0.2 / √10, from window 2 on
+    # steps that scatter ±0.2 within identical windows: σ = 1.4826 · 0.2 / √10, from window 2
+    # on
     scatter = {0: [0.2, -0.2] * 5, 1: [0.0] * 10}
     assert policy.noise([scatter] * 2, 1) == pytest.approx(1.4826 * 0.2 / math.sqrt(10))
 
@@ -110,7 +113,8 @@ def test_policy_rejects_bad_configuration() -> None:
 
 # ---- tracker on synthetic series -------------------------------------------------------------
 def simulate(world: int, rate: Callable[[int, int], float], polls: int, threshold: float,
-             action: str = "alert", steps_per_poll: int = 5) -> tuple[StragglerTracker, dict[int, int]]:
+             action: str = "alert",
+             steps_per_poll: int = 5) -> tuple[StragglerTracker, dict[int, int]]:
     """Feed `polls` heartbeat polls (1 s apart, `steps_per_poll` steps per rank each) into a
     tracker; returns it and {rank: number of windows closed when the rank was first flagged}."""
     clock = [0.0]
@@ -122,8 +126,8 @@ def simulate(world: int, rate: Callable[[int, int], float], polls: int, threshol
         records = []
         for _ in range(steps_per_poll):
             step += 1
-            records += [{"event": "step", "rank": r, "step": step, "rank_tokens_per_s": rate(r, step)}
-                        for r in range(world)]
+            records += [{"event": "step", "rank": r, "step": step,
+                         "rank_tokens_per_s": rate(r, step)} for r in range(world)]
         for flag in tracker.observe(records, world):
             flagged_at.setdefault(flag.rank, tracker.windows_closed)
     return tracker, flagged_at
@@ -156,7 +160,8 @@ def test_slowdown_of_125x_is_flagged_within_three_windows(world: int) -> None:
         base = lambda r, s: 1000.0 / (1.25 if r == slow_rank and s > 100 else 1.0)  # noqa: E731
         tracker, flagged = simulate(world, jitter(seed, base), 40, threshold=0.85)
         assert set(flagged) == {slow_rank}, f"seed {seed}: {flagged}"
-        assert flagged[slow_rank] <= 10 + 3, f"seed {seed}: flagged after window {flagged[slow_rank]}"
+        assert flagged[slow_rank] <= 10 + 3, \
+            f"seed {seed}: flagged after window {flagged[slow_rank]}"
         assert tracker.scores[slow_rank] == pytest.approx(0.8, abs=0.06)
 
 
@@ -215,7 +220,8 @@ def test_descheduled_steps_raise_no_flag_and_hide_no_straggler(world: int) -> No
         assert flagged == {}, f"seed {seed}: outlier steps flagged {flagged}"
         base = lambda r, s: 1000.0 / (1.25 if r == world - 1 and s > 100 else 1.0)  # noqa: E731
         _, flagged = simulate(world, descheduled(seed, base), 40, 0.85)
-        assert set(flagged) == {world - 1} and flagged[world - 1] <= 10 + 3, f"seed {seed}: {flagged}"
+        assert set(flagged) == {world - 1} and flagged[world - 1] <= 10 + 3, \
+            f"seed {seed}: {flagged}"
 
 
 @pytest.mark.parametrize("factor", [1.5, 2.0])
@@ -236,7 +242,8 @@ def test_flag_is_raised_once_per_episode_and_again_after_recovery() -> None:
     flags = []
     for poll in range(80):
         clock[0] += 1.0
-        records = [{"event": "step", "rank": r, "step": poll * 5 + i, "rank_tokens_per_s": base(r, poll * 5 + i)}
+        records = [{"event": "step", "rank": r, "step": poll * 5 + i,
+                    "rank_tokens_per_s": base(r, poll * 5 + i)}
                    for i in range(1, 6) for r in range(2)]
         flags += tracker.observe(records, 2)
     assert [f.rank for f in flags] == [1, 1]
@@ -267,7 +274,8 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
     """A real job on an embedded Ray: rank 1 runs 1.5× slower from step 10 and must be the only
     rank reported as a straggler in the JSON log."""
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run",
+           str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=400", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
            "--set", "checkpoint.every_steps=200",
            "--chaos", "slow rank=1 factor=1.5 at=10", "--log-json", str(log)]
@@ -290,7 +298,8 @@ def test_chaos_slow_rank_is_flagged_end_to_end(tmp_path: Path) -> None:
 def test_evict_action_restarts_the_job_without_the_straggler_node(tmp_path: Path) -> None:
     """Two 1-GPU nodes, rank 1 slowed: `evict` restarts on the remaining node and finishes."""
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run",
+           str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=300", "--set", f"checkpoint.uri=file://{tmp_path}/ckpt",
            "--set", "resources.nodes=2", "--set", "resources.gpus_per_node=1",
            "--set", "resources.max_nodes=2", "--set", "fault_tolerance.straggler_action=evict",

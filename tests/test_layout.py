@@ -90,7 +90,8 @@ def test_validation_messages():
     with pytest.raises(LayoutError, match=r"layout.tp: 0"):
         ParallelLayout(tp=0)
     moe = load_spec(overrides=["model.moe={num_experts: 6}"]).model.args()
-    with pytest.raises(LayoutError, match=r"parallel.ep: 4 does not divide model.moe.num_experts=6"):
+    with pytest.raises(LayoutError,
+                       match=r"parallel.ep: 4 does not divide model.moe.num_experts=6"):
         ParallelLayout(dp=4, ep=4).validate(moe, 4)
 
 

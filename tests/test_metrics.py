@@ -138,7 +138,8 @@ def test_every_pinned_metric_with_its_type_and_labels(server: MetricsServer) -> 
     assert values(samples, "tenax_checkpoint_last_committed_step") == [4.0]
 
 
-def test_dead_rank_is_down_with_growing_age_until_the_group_is_replaced(server: MetricsServer) -> None:
+def test_dead_rank_is_down_with_growing_age_until_the_group_is_replaced(
+        server: MetricsServer) -> None:
     clock = Clock()
     ranks = [handle(0, "n0", clock.now), handle(1, "n1", clock.now)]
     controller, emit, _ = start_job(server, "job-a", clock, ranks)

@@ -46,7 +46,8 @@ def test_init_depends_only_on_seed_and_name() -> None:
     # order so parameters are visited in a different order, and the global RNG perturbed.
     torch.manual_seed(99)
     shuffled = Transformer(spec)
-    shuffled.layers = nn.ModuleDict({k: shuffled.layers[k] for k in reversed(list(shuffled.layers))})
+    names = reversed(list(shuffled.layers))
+    shuffled.layers = nn.ModuleDict({k: shuffled.layers[k] for k in names})
     torch.rand(1000)
     init_weights(shuffled, SEED)
     assert_same_params(reference, shuffled)
@@ -73,7 +74,8 @@ def test_init_distributions_and_distinct_names() -> None:
     assert params["layers.1.attention.wo.weight"].std().item() == pytest.approx(scaled, rel=0.1)
     assert params["layers.1.feed_forward.w2.weight"].std().item() == pytest.approx(scaled, rel=0.1)
     # Same shape, different names -> different values.
-    assert not torch.equal(params["layers.0.attention.wq.weight"], params["layers.1.attention.wq.weight"])
+    assert not torch.equal(params["layers.0.attention.wq.weight"],
+                           params["layers.1.attention.wq.weight"])
     # Wrapper name parts do not change the seed.
     assert param_seed(3, "layers.0._checkpoint_wrapped_module.attention.wq.weight") == \
         param_seed(3, "layers.0.attention.wq.weight")
@@ -123,7 +125,8 @@ def test_forward_shapes_and_causality() -> None:
 
 
 def reference_attention(attn: Attention, x: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    """Loop over heads, kv head = q head // group, rotary as complex multiplication, explicit mask."""
+    """Loop over heads, kv head = q head // group, rotary as complex multiplication, explicit
+    mask."""
     b, s, _ = x.shape
     hd = attn.head_dim
     q = attn.wq(x).view(b, s, n_heads, hd)

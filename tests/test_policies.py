@@ -97,7 +97,8 @@ RUNNING_ROWS = [
      {"target_nodes": 2, "current_nodes": 1, "capacity_nodes": 1}, JobAction.CONTINUE),
     ("scale down", [rank(0), rank(1), rank(2), rank(3)],
      {"target_nodes": 1, "current_nodes": 2, "capacity_nodes": 2}, JobAction.RESCALE),
-    ("cancel wins over a failure", [rank(0, dead="x")], {"cancel_requested": True}, JobAction.CANCEL),
+    ("cancel wins over a failure", [rank(0, dead="x")], {"cancel_requested": True},
+     JobAction.CANCEL),
 ]
 
 
@@ -108,9 +109,11 @@ def test_running_decisions(name, ranks, kw, action):
 
 
 def test_pending_submits_and_every_state_can_be_cancelled():
-    assert decide(snap(state="PENDING", target_nodes=2)).reason == "submitted: target 2 node(s) x 2 GPUs"
+    assert decide(snap(state="PENDING", target_nodes=2)).reason == \
+        "submitted: target 2 node(s) x 2 GPUs"
     for state in TRANSITIONS:
-        assert decide(snap(rank(0), state=state.value, cancel_requested=True)).action == JobAction.CANCEL
+        decision = decide(snap(rank(0), state=state.value, cancel_requested=True))
+        assert decision.action == JobAction.CANCEL
 
 
 RESCALING_ROWS = [
@@ -137,12 +140,14 @@ def _ranks(states: list[str]) -> list[RankHealth]:
     return out
 
 
-@pytest.mark.parametrize("name, states, kw, action", RESCALING_ROWS, ids=[r[0] for r in RESCALING_ROWS])
+@pytest.mark.parametrize("name, states, kw, action", RESCALING_ROWS,
+                         ids=[r[0] for r in RESCALING_ROWS])
 def test_rescaling_decisions(name, states, kw, action):
     """The soak's hang: a rank that finished or failed while a stop was requested must end
     the wait; and a wait that does not end is cut by the state's deadline."""
     restarts = kw.pop("restarts", 0)
-    d = decide(snap(*_ranks(states), restarts=restarts, state="RESCALING", state_deadline_s=60.0, **kw))
+    d = decide(snap(*_ranks(states), restarts=restarts, state="RESCALING", state_deadline_s=60.0,
+                    **kw))
     assert d.action == action, d.reason
     if "deadline" in name:
         assert d.cause_kind == "rescale" and "did not commit the boundary checkpoint" in d.reason
@@ -243,7 +248,8 @@ def test_table_gives_every_state_a_deadline_and_a_way_out():
             continue
         moves = TRANSITIONS[state]
         assert moves[JobAction.CANCEL] == JobState.CANCELLED
-        assert any(target != state for action, target in moves.items() if action != JobAction.CANCEL)
+        assert any(target != state for action, target in moves.items()
+                   if action != JobAction.CANCEL)
         deadline = DEADLINES[state]
         assert deadline.way_out
         assert 0.0 <= deadline.seconds(Timeouts.from_spec(spec)) < float("inf")
@@ -284,7 +290,8 @@ def test_scaling_steps_down_when_gpus_cannot_all_be_used():
 
 def test_chaos_parsing():
     events = parse_chaos("kill rank=1 at=30; kill node=1 at=40 ;hang rank=0 at=50;"
-                         "slow rank=2 factor=1.5 at=10; scale nodes=2 at=60; corrupt-checkpoint at=25")
+                         "slow rank=2 factor=1.5 at=10; scale nodes=2 at=60; "
+                         "corrupt-checkpoint at=25")
     assert events[0] == ChaosEvent("kill", 30, rank=1)
     assert events[1] == ChaosEvent("kill", 40, node=1)
     assert events[3].factor == 1.5 and events[4].nodes == 2

@@ -101,7 +101,8 @@ def tenax_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob]:
     """A real `tenax run --metrics-port` on an embedded Ray."""
     tmp = tmp_path_factory.mktemp("tenax-run")
     port, log = free_port(), tmp / "run.log"
-    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run", str(ROOT / "examples" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "tenax.orchestrator.cli.main", "run",
+           str(ROOT / "examples" / "tiny.yaml"),
            "--set", "train.steps=100000", "--set", f"checkpoint.uri=file://{tmp}/ckpt",
            "--set", "checkpoint.every_steps=100", "--metrics-port", str(port)]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
@@ -182,7 +183,8 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 
 
 def alert_rules() -> list[dict[str, Any]]:
-    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
 
 
 def metric_names(expr: str) -> set[str]:
@@ -262,8 +264,9 @@ def test_dashboard_is_importable_grafana_json() -> None:
             assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
             assert panel["targets"], panel["title"]
     exprs = " ".join(expr for _, expr in dashboard_queries(dashboard))
-    for shown in ("tenax_rank_up", "tenax_rank_heartbeat_age_seconds", "tenax_rank_tokens_per_second",
-                  "tenax_rank_straggler_score", "tenax_job_step", "tenax_job_loss", "tenax_job_state",
+    for shown in ("tenax_rank_up", "tenax_rank_heartbeat_age_seconds",
+                  "tenax_rank_tokens_per_second", "tenax_rank_straggler_score", "tenax_job_step",
+                  "tenax_job_loss", "tenax_job_state",
                   "tenax_job_world_size", "tenax_job_layout_info", "tenax_job_restarts_total",
                   "tenax_job_recovery_seconds_bucket", "tenax_checkpoint_save_blocked_seconds",
                   "tenax_checkpoint_save_seconds", "tenax_job_goodput_ratio"):

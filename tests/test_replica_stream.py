@@ -32,8 +32,8 @@ def _files(step: int) -> dict[str, bytes]:
 
 
 def _stamp(step: int, files: dict[str, bytes]) -> SnapshotStamp:
-    return SnapshotStamp(GEN, RANK, 2, step, {n: [len(d), crc32c_of([d])] for n, d in files.items()},
-                         COMMIT)
+    sums = {n: [len(d), crc32c_of([d])] for n, d in files.items()}
+    return SnapshotStamp(GEN, RANK, 2, step, sums, COMMIT)
 
 
 @pytest.fixture

@@ -137,7 +137,8 @@ def test_a_priority_job_shrinks_an_elastic_one_which_grows_back_with_clean_losse
     assert [(e["from_world"], e["world_size"], e["lost_steps"]) for e in scaled] == \
         [(4, 2, 0), (2, 4, 0)]
     assert min(placed_times(urgent_events)) >= scaled[0]["time"] - 1.0  # room first, then urgent
-    assert of(urgent_events, "admitted") and grown[0]["time"] >= of(urgent_events, "state")[-1]["time"]
+    assert of(urgent_events, "admitted")
+    assert grown[0]["time"] >= of(urgent_events, "state")[-1]["time"]
     assert get(s, elastic).lost_steps == 0
 
     want = reference_losses(load_spec(overrides=overrides))  # the same job in one process

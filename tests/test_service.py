@@ -318,8 +318,8 @@ def test_sigkilled_server_resumes_its_job_from_the_newest_checkpoint(ray_address
         s = stub(first.port)
         job_id = submit(s, [], job_overrides(tmp_path, "killed", CLEAN))
         watcher = subprocess.Popen(
-            [sys.executable, "-m", "tenax.orchestrator.cli.main", "watch", job_id, "--json", "--server",
-             f"127.0.0.1:{first.port}"], cwd=REPO, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "tenax.orchestrator.cli.main", "watch", job_id, "--json",
+             "--server", f"127.0.0.1:{first.port}"], cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         watch(s, [], job_id, timeout_s=120,
               until=lambda e: e["kind"] == "checkpoint" and e["step"] >= 10)

@@ -26,8 +26,8 @@ COMMIT = {"layout": {"dp": 1}, "model_hash": "h", "data_cursor": 4, "seed": 0, "
 def _stamp(step: int, files: dict[str, bytes], generation: int = 1) -> SnapshotStamp:
     from tenax.checkpoint.memory.snapshot_store import crc32c_of
 
-    return SnapshotStamp(generation, 0, 1, step, {n: [len(d), crc32c_of([d])] for n, d in files.items()},
-                         COMMIT)
+    sums = {n: [len(d), crc32c_of([d])] for n, d in files.items()}
+    return SnapshotStamp(generation, 0, 1, step, sums, COMMIT)
 
 
 def _killed_mid_copy(root: str) -> None:
@@ -239,8 +239,8 @@ def test_a_handed_plan_of_another_rank_or_size_is_refused():
             decode_plan(junk, 1, 2)
 
 
-def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_complete_one(tmp_path,
-                                                                                         monkeypatch):
+def test_a_replica_keeps_its_previous_step_so_a_node_lost_mid_send_leaves_a_complete_one(
+        tmp_path, monkeypatch):
     """Ranks 2 and 3 live on the lost node; rank 2's replica of step 12 arrived, rank 3's did not.
     Step 11 must still be whole: every rank's piece of it is somewhere (replicas keep two)."""
     from tenax.checkpoint.memory.snapshot_store import SNAPSHOT_ENV

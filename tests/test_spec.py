@@ -91,7 +91,8 @@ def test_overrides_are_typed_by_the_model():
     (["parallel.cp=3"], "parallel.cp: 2*3 does not divide model.seq_len=128"),
     (["parallel.ep=2"], "parallel.ep: 2 needs model.moe to be set"),
     (["parallel.pp=5"], "parallel.pp: 5 x pp_virtual_stages=1 exceeds model.n_layers=4"),
-    (["parallel.micro_batch_size=5"], "parallel.micro_batch_size: 5 does not divide train.global_batch_size=32"),
+    (["parallel.micro_batch_size=5"],
+     "parallel.micro_batch_size: 5 does not divide train.global_batch_size=32"),
     (["train.nope=1"], "train.nope: unknown key"),
     (["train.steps.x=1"], "train.steps.x: unknown key"),
     (["resources.nodes=9"], "resources.nodes: 9 is outside [min_nodes=1, max_nodes=4]"),
@@ -133,8 +134,9 @@ def test_param_counts_of_presets():
         spec = load_spec(preset=name)
         assert spec.model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
         p = PRESETS[name]
-        assert spec.model.num_params() == _llama_params(p["dim"], p["n_layers"], p["n_heads"],
-                                                        p["n_kv_heads"], p["ffn_hidden"], p["vocab_size"])
+        assert spec.model.num_params() == _llama_params(
+            p["dim"], p["n_layers"], p["n_heads"], p["n_kv_heads"], p["ffn_hidden"],
+            p["vocab_size"])
     assert load_spec(preset="tiny").model == JobSpec().model
 
 

@@ -1,4 +1,5 @@
-"""Tests for tenax.checkpoint.format.storage: confinement to the root, I/O on file://, memory:// and s3://.
+"""Tests for tenax.checkpoint.format.storage: confinement to the root, I/O on file://, memory://
+and s3://.
 
 The s3:// tests run against a moto S3 server on 127.0.0.1 (no network leaves the machine); they
 are skipped, saying why, only when moto or s3fs is not installed.
