@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChaosError", "PlacementError", "RpcAbort", "RpcFailed", "StorageRootError",
-           "StoreError", "SubmitError"]
+__all__ = ["ChaosError", "PlacementError", "ProfileUnavailable", "RayNodesTimeout", "RpcAbort",
+           "RpcFailed", "StorageRootError", "StoreError", "SubmitError"]
 
 
 class ChaosError(ValueError):
@@ -26,6 +26,14 @@ class ChaosError(ValueError):
 
 class PlacementError(RuntimeError):
     """The GPUs asked for could not be placed within the timeout."""
+
+
+class ProfileUnavailable(RuntimeError):
+    """The job has no running group to profile."""
+
+
+class RayNodesTimeout(ConnectionError):
+    """ray.nodes() did not answer in time (the GCS is down, partitioned or overloaded)."""
 
 
 class RpcFailed(Exception):

@@ -14,15 +14,12 @@ import logging
 import time
 from typing import Any
 
+from tenax.orchestrator.errors import ProfileUnavailable
 from tenax.workers import diagnostics_location
 
 logger = logging.getLogger(__name__)
 
 MAX_PROFILE_STEPS = 1000  # a trace per step grows large: a window is a few steps, not a run
-
-
-class ProfileUnavailable(RuntimeError):
-    """The job has no running group to profile (message-only: crosses process boundaries)."""
 
 
 def request_profile(controller: Any, steps: int, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from typing import Any
 
 import ray
 
+from tenax.orchestrator.errors import RayNodesTimeout
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,10 +32,6 @@ class Capacity:
 
 RAYLET_CONNECT_S = 0.5
 RAY_NODES_TIMEOUT_S = 10.0  # ray.nodes() is a GCS call with no deadline of its own
-
-
-class RayNodesTimeout(ConnectionError):
-    """ray.nodes() did not answer in time (the GCS is down, partitioned or overloaded)."""
 
 
 class NodesReader:
