@@ -31,14 +31,18 @@ SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, seq_l
              ffn_hidden=688)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="plain torch DDP baseline")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--ckpt-dir", required=True)
     parser.add_argument("--json", dest="json_path", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

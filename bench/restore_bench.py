@@ -23,6 +23,7 @@ Times are the slowest rank's, between barriers.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import statistics
@@ -177,10 +178,12 @@ def moto_s3(wanted: bool) -> Iterator[dict[str, Any] | None]:
     """A moto S3 server on 127.0.0.1 (an object store, what checkpoint.uri is in production;
     every byte still stays on this machine); None if not wanted or not installed."""
     try:
-        import s3fs  # noqa: F401
         from moto.server import ThreadedMotoServer
     except ImportError as exc:
         logger.warning("no s3 case: %s", exc)
+        wanted = False
+    if importlib.util.find_spec("s3fs") is None:  # fsspec's s3:// needs it in every rank
+        logger.warning("no s3 case: s3fs is not installed")
         wanted = False
     if not wanted:
         yield None

@@ -14,10 +14,9 @@ from typing import Any, Iterator
 import pytest
 
 from tenax.checkpoint.errors import CatalogError, ManifestError, StorageError
-from tenax.checkpoint.format.catalog import (FORMAT_VERSION, Catalog, FileEntry, Manifest,
-                                             parse_version_name, spec_hash,
-                                             version_name)
-from tenax.checkpoint.format.manifest import CommitInfo
+from tenax.checkpoint.format.catalog import (Catalog, FileEntry, Manifest, parse_version_name,
+                                             spec_hash, version_name)
+from tenax.checkpoint.format.manifest import FORMAT_VERSION, CommitInfo
 from tenax.checkpoint.format.storage import Storage
 
 META = dict(layout={"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 1}, world_size=2,

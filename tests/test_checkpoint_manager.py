@@ -27,13 +27,16 @@ from tenax.checkpoint.format.catalog import Catalog, version_name
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.manager import CheckpointManager
 from tenax.orchestrator.cli.main import main as tenax
+from tests import test_storage
 from tests.ckpt_jobs import (DictState, ckpt_config, ckpt_spec, killable_job, load_and_step_job,
                              rank_failure_job, roundtrip_job, save_modes_job, snapshot_job,
                              train_losses)
 from tests.distributed import rank_context, run_ranks
-from tests.test_storage import s3_options  # noqa: F401  (the moto S3 server fixture)
 
 DEADLINE_S = 120.0
+
+# test_storage's moto S3 server fixture; pytest finds a fixture by the module's attribute name.
+s3_options = test_storage.s3_options
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:

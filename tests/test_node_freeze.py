@@ -7,9 +7,13 @@ import signal
 import pytest
 
 from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, reference_losses
-from tests.test_controller_cluster import TWO_NODES, cluster2  # noqa: F401 (the fixture)
+from tests import test_controller_cluster
+from tests.test_controller_cluster import TWO_NODES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# The two-node cluster fixture; pytest finds a fixture by the module's attribute name.
+cluster2 = test_controller_cluster.cluster2
 
 # A short heartbeat timeout keeps the test quick; hang_timeout_s stays above it (policy rule).
 # Storage commits only the last step (20): a storage commit racing the frozen node's last replica

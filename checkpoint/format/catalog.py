@@ -22,8 +22,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple
 
 from tenax.checkpoint.errors import (CatalogError, CatalogUnreachableError, ManifestError,
                                      StorageError, StorageNotFoundError)
-from tenax.checkpoint.format.manifest import (FORMAT_VERSION, CommitInfo, FileEntry, Manifest,
-                                              VersionHealth)
+from tenax.checkpoint.format.manifest import CommitInfo, FileEntry, Manifest, VersionHealth
 from tenax.checkpoint.format.retention_policy import retention_plan
 from tenax.checkpoint.format.storage import DEFAULT_CHECKSUM, Storage, validate_relpath
 
