@@ -162,6 +162,8 @@ def test_token_id_outside_vocab_is_refused_without_echoing_it(tmp_path: Path) ->
     ({"sources": [{"uri": "a", "weight": 1}, {"uri": "b", "weight": -2.5}]},
      r"data.sources.1.weight: .*greater than 0 \(got -2.5\)"),
     ({"sources": []}, "data.sources: .*at least 1"),
+    ({"sources": [{"uri": "a", "weight": 1e20}, {"uri": "b", "weight": 1}]},
+     r"data.sources\[1\].weight: share 1e-20 is below 1e-6"),
     ({"eos_id": 600}, r"data.eos_id: 600 is outside \[0, model.vocab_size=512\)"),
 ])
 def test_bad_blend_specs_are_refused(data: dict, match: str) -> None:
@@ -173,6 +175,20 @@ def test_bad_weight_refused_by_the_engine_too() -> None:
     with pytest.raises(ValueError, match=r"data.sources\[1\].weight: must be a number > 0, "
                                          r"got 0"):
         BlendAssignment([1.0, 0], SEED)
+
+
+def test_a_share_below_one_in_a_million_is_refused() -> None:
+    """Blocks hold 1 / (smallest share) samples: an extreme ratio must be refused by name, not
+    overflow; a share of exactly 1e-6 still blends, to the sample."""
+    with pytest.raises(ValueError, match=r"data.sources\[1\].weight: share 1e-20 is below 1e-6"):
+        BlendAssignment([1e20, 1], SEED)
+    with pytest.raises(ValueError, match=r"data.sources\[0\].weight: share 9.99999e-7 is below"):
+        BlendAssignment([1, 1e6], SEED)
+    blend = BlendAssignment([1, 10**6 - 1], SEED)
+    assert blend.block == 10**6
+    assert blend.cumulative(3).tolist() == [3, 3 * (10**6 - 1)]
+    source, within = blend.locate(np.arange(10**6, 2 * 10**6))  # block 1, whole
+    assert int((source == 0).sum()) == 1 and within[source == 0].tolist() == [1]
 
 
 ONE_NODE = ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2",

@@ -124,11 +124,20 @@ def test_bad_parquet_and_txt_inputs_fail_clearly(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
     (tmp_path / "bad.txt").write_bytes(b"abc\xff")
+    whole = gzip.compress(b"".join(b'{"text": "document %d"}\n' % i for i in range(2000)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "plain.jsonl.gz").write_text('{"text": "not compressed"}\n')
+    (tmp_path / "junk.parquet").write_bytes(b"this is not a parquet file at all\n" * 10)
     cases = [("nocol.parquet", r"nocol\.parquet: no column 'text'"),
              ("ints.parquet", r"ints\.parquet: column 'text' is int64, not a string"),
              ("null.parquet", r"null\.parquet: row 1 column 'text' is null"),
              ("bad.txt", r"bad\.txt: invalid UTF-8 at byte 3"),
-             ("x.csv", r"x\.csv' is not one of")]
+             ("x.csv", r"x\.csv' is not one of"),
+             ("cut.jsonl.gz", r"cut\.jsonl\.gz: unreadable jsonl\.gz file at line \d+ "
+                              r"\(Compressed file ended before the end-of-stream marker"),
+             ("plain.jsonl.gz", r"plain\.jsonl\.gz: unreadable jsonl\.gz file at line 1 "
+                                r"\(Not a gzipped file"),
+             ("junk.parquet", r"junk\.parquet: unreadable parquet file \(.*magic bytes")]
     (tmp_path / "x.csv").write_text("a,b\n")
     before = sorted(tmp_path.iterdir())
     for name, message in cases:
@@ -209,6 +218,10 @@ def test_cli_prepare_then_inspect(tmp_path, tokenizers, capsys):
     assert main(["data", "inspect", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["first_tokens"] == ids and shown["documents"] == 2 and "first_text" not in shown
+    assert main(["data", "inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"first {len(ids)} tokens: {ids}" in text and "decoded:" not in text
+    assert text.endswith("(pass --tokenizer FILE to decode)\n")
     assert main(["data", "inspect", str(out), "--tokenizer", tokenizers["hf"]]) == 0
     text = capsys.readouterr().out
     assert f"{out}: 2 documents, {len(ids)} tokens, dtype uint16" in text
@@ -217,3 +230,28 @@ def test_cli_prepare_then_inspect(tmp_path, tokenizers, capsys):
     assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
     assert "missing.idx' does not exist" in capsys.readouterr().err
     assert np.array_equal(read_sequences(out)[0], ids[: len(tok.encode("hello tenax")) + 1])
+
+
+def test_a_tokenizer_without_eos_needs_eos_id(tmp_path, capsys):
+    """prepare_dataset(eos_id=) / --eos-id append that id; without it the error names the flag."""
+    plain = str(make_hf_tokenizer(tmp_path / "tokenizer.json", special=None))
+    (tmp_path / "in.jsonl").write_text('{"text": "hello tenax"}\n{"text": "second"}\n')
+    inputs, before = [str(tmp_path / "in.jsonl")], sorted(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"no end-of-document token.*set --eos-id "
+                                         r"\(data\.eos_id when training\)"):
+        prepare_dataset(inputs, str(tmp_path / "ds"), tokenizer=plain, workers=1,
+                        progress=False)
+    assert sorted(tmp_path.iterdir()) == before
+    tok = load_tokenizer(plain, eos_id=7)
+    want = [tok.encode("hello tenax") + [7], tok.encode("second") + [7]]
+    stats = prepare_dataset(inputs, str(tmp_path / "ds"), tokenizer=plain, workers=1,
+                            progress=False, eos_id=7)
+    assert read_sequences(tmp_path / "ds") == want and stats["tokens"] == sum(map(len, want))
+    assert main(["data", "prepare", *inputs, "--out", str(tmp_path / "cli"), "--tokenizer",
+                 plain, "--eos-id", "7", "--workers", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["documents"] == 2
+    assert read_sequences(tmp_path / "cli") == want
+    assert main(["data", "prepare", *inputs, "--out", str(tmp_path / "none"), "--tokenizer",
+                 plain, "--workers", "1"]) == 2
+    assert "set --eos-id (data.eos_id when training)" in capsys.readouterr().err
+    assert not (tmp_path / "none.bin").exists()

@@ -123,6 +123,60 @@ def test_training_loss_is_the_per_document_reference(tmp_path: Path) -> None:
     assert out["loss"] == pytest.approx(out["reference"], rel=1e-5)
 
 
+def write_bpe_like(path: Path, eos: int, n_docs: int = 80) -> str:
+    """Documents ending in `eos`; ids 1..299 in between, so 256 is an ordinary token here."""
+    rng = np.random.default_rng(5)
+    with IndexedDatasetWriter(str(path), np.uint16) as writer:
+        for _ in range(n_docs):
+            body = rng.integers(1, 300, size=int(rng.integers(3, 20)))
+            writer.add_document(np.append(body[body != eos], eos))
+    return str(path)
+
+
+@pytest.mark.parametrize("feature", ["document_mask", "mask_eos_loss"])
+def test_documents_that_do_not_end_with_the_eos_are_refused(tmp_path: Path,
+                                                            feature: str) -> None:
+    """A BPE dataset (EOS 0) read with the byte-level default EOS (256) would make both
+    features silent no-ops: the loader checks the documents' last tokens when it opens them."""
+    from tenax.workers.data import TokenDataLoader
+    from tenax.workers.spec import DataSpec
+
+    bpe = write_bpe_like(tmp_path / "bpe", eos=0)
+    spec = DataSpec(source=bpe, **{feature: True})
+    with pytest.raises(ValueError) as err:
+        TokenDataLoader(spec, 32, 512, 0, 4)
+    assert str(err.value) == (f"data.{feature}: documents of {bpe!r} do not end with eos id "
+                              f"256; set data.tokenizer or data.eos_id (Megatron: --append-eod)")
+    TokenDataLoader(DataSpec(source=bpe, eos_id=0, **{feature: True}), 32, 512, 0, 4)
+    TokenDataLoader(DataSpec(source=bpe), 32, 512, 0, 4)  # neither feature: no check
+    byte_level = write_bpe_like(tmp_path / "bytes", eos=256)
+    TokenDataLoader(DataSpec(source=byte_level, **{feature: True}), 32, 512, 0, 4)
+    blend = [{"uri": byte_level, "weight": 1}, {"uri": bpe, "weight": 1}]
+    with pytest.raises(ValueError, match=f"documents of {bpe!r} do not end with eos id 256"):
+        TokenDataLoader(DataSpec(sources=blend, **{feature: True}), 32, 512, 0, 4)
+
+
+def test_the_eos_check_reads_only_the_first_documents(tmp_path: Path) -> None:
+    """The first 64 documents decide (a cheap check on open); one bad among them is enough."""
+    from tenax.workers.data import TokenDataLoader
+    from tenax.workers.spec import DataSpec
+
+    for bad, refused in ((63, True), (64, False)):
+        rng = np.random.default_rng(bad)
+        prefix = str(tmp_path / f"bad{bad}")
+        with IndexedDatasetWriter(prefix, np.uint16) as writer:
+            writer.add_document([])  # document 0 is empty: it has no last token to check
+            for d in range(1, 100):
+                writer.add_document(rng.integers(1, EOS, size=5).tolist()
+                                    + ([] if d == bad else [EOS]))
+        spec = DataSpec(source=prefix, document_mask=True, eos_id=EOS)
+        if refused:
+            with pytest.raises(ValueError, match="do not end with eos id 127"):
+                TokenDataLoader(spec, 16, 128, 0, 4)
+        else:
+            TokenDataLoader(spec, 16, 128, 0, 4)
+
+
 LAYOUTS = [dict(dp=2, zero=1), dict(tp=2), pytest.param(dict(dp=2, tp=2), marks=pytest.mark.slow)]
 
 
@@ -165,7 +219,9 @@ def refused_layout_job(rank: int, world: int) -> str:
 
 
 def test_trainer_refuses_a_planned_cp_layout() -> None:
-    """parallel.cp: auto may become cp=2 after the spec was accepted: the trainer refuses too."""
+    """The spec refuses document masks unless parallel.cp and parallel.pp are 1 (`auto`
+    included), so no planned layout reaches the trainer with cp > 1; the trainer still checks
+    the layout it is handed, which a caller may build apart from the spec."""
     out = run_ranks(refused_layout_job, 2)
     assert all("data.document_mask: not supported with parallel.cp=2" in m for m in out)
 

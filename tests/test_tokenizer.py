@@ -82,6 +82,7 @@ def test_hf_tokenizer_matches_the_library_and_finds_endoftext(tmp_path):
 
     path = make_hf_tokenizer(tmp_path / "tokenizer.json")
     ref = RustTokenizer.from_file(str(path))
+    ref.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text
     tok = load_tokenizer(str(path))
     assert isinstance(tok, Tokenizer)
     assert tok.eos_id == ref.token_to_id("<|endoftext|>")
@@ -92,6 +93,28 @@ def test_hf_tokenizer_matches_the_library_and_finds_endoftext(tmp_path):
     assert tok.decode(tok.encode(SAMPLES[1])) == SAMPLES[1]
     assert tok.files() == [str(path)]
     assert auto_vocab_size(tok) == 448
+
+
+def test_a_literal_eos_token_in_text_is_ordinary_text_for_every_backend(tmp_path):
+    """Only the EOS appended after a document may end it: no backend turns the written-out
+    name of its EOS token into the EOS id (the library's default for tokenizer.json would)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    hf = make_hf_tokenizer(tmp_path / "tokenizer.json")
+    default = RustTokenizer.from_file(str(hf))
+    text = "before <|endoftext|> after"
+    assert default.token_to_id("<|endoftext|>") in default.encode(text).ids  # the trap
+    paths = [hf, make_sentencepiece(tmp_path), make_tiktoken(tmp_path / "ranks.tiktoken")]
+    for path in paths:
+        tok = load_tokenizer(str(path))
+        for name in ("<|endoftext|>", "</s>"):
+            written = f"before {name} after"
+            ids = tok.encode(written)
+            assert tok.eos_id not in ids, (path.name, name)
+            assert tok.encode_batch([written]) == [ids]
+            assert pickle.loads(pickle.dumps(tok)).encode(written) == ids
+            if path is not paths[1]:  # SentencePiece normalises spaces, the others round-trip
+                assert tok.decode(ids) == written
 
 
 def test_tokenizers_pickle_and_rebuild_from_their_bytes(tmp_path):
@@ -199,3 +222,14 @@ def test_a_file_larger_than_any_tokenizer_is_refused_without_reading_it_all():
 
     with pytest.raises(ValueError, match="larger than 1 MiB"):
         read_bytes("/dev/zero", limit=1 << 20)
+
+
+def test_a_missing_tokenizer_is_named_once(tmp_path):
+    from tenax.workers.errors import SpecError
+    from tenax.workers.spec import load_spec
+
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(SpecError) as err:
+        load_spec(overrides=[f"data.tokenizer={missing}"])
+    assert f"data.tokenizer: {missing!r} does not exist" in str(err.value)
+    assert str(err.value).count("does not exist") == 1

@@ -6,9 +6,10 @@ Every key here is pinned by DESIGN.md; users, the CLI and the gRPC service all g
 
 The sections (`ModelSpec`, `DataSpec`, ...) live in workers/spec_sections.py and are re-exported
 here. It lives in workers/ (not orchestrator/) because the rank launcher,
-`python -m tenax.workers.launch JOB.yaml`, must parse it and imports point one way (orchestrator -> workers -> parallel);
-`tenax.orchestrator.spec` re-exports it. The engine never sees these models: `ModelSpec.args()` and
-`layout_from_spec` hand `parallel/` its own plain config.
+`python -m tenax.workers.launch JOB.yaml`, must parse it and imports point one way
+(orchestrator -> workers -> parallel); `tenax.orchestrator.spec` re-exports it. The engine
+never sees these models: `ModelSpec.args()` and `layout_from_spec` hand `parallel/` its own
+plain config.
 """
 from __future__ import annotations
 
@@ -112,6 +113,13 @@ def data_problems(spec: JobSpec) -> list[str]:
     data, vocab, problems = spec.data, spec.model.vocab_size, []
     if data.eos_id is not None and data.eos_id >= vocab:
         problems.append(f"data.eos_id: {data.eos_id} is outside [0, model.vocab_size={vocab})")
+    if data.sources:
+        from tenax.workers.data.blend import check_weights
+
+        try:
+            check_weights([e.weight for e in data.sources])
+        except ValueError as err:  # a share too small for the blend's integer arithmetic
+            problems.append(str(err))
     if data.tokenizer:
         size = tokenizer_vocab_size(data.tokenizer, data.eos_id)
         if size > vocab:
@@ -138,8 +146,8 @@ def _tokenizer_sizes(uri: str, eos_id: int | None) -> tuple[int, int]:
 
     try:
         tokenizer = load_tokenizer(uri, eos_id)
-    except FileNotFoundError as err:
-        raise ValueError(f"data.tokenizer: {short(uri)} does not exist ({err})") from None
+    except FileNotFoundError:
+        raise ValueError(f"data.tokenizer: {short(uri)} does not exist") from None
     return int(tokenizer.vocab_size), auto_vocab_size(tokenizer)
 
 

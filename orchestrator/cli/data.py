@@ -20,7 +20,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     stats = prepare_dataset(args.inputs, args.out, tokenizer=args.tokenizer,
                             text_field=args.text_field, workers=args.workers,
-                            progress=not args.json)
+                            progress=not args.json, eos_id=args.eos_id)
     if args.json:
         print(json.dumps(stats, indent=2))
     return 0
@@ -52,6 +52,8 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     print(f"first {len(doc['first_tokens'])} tokens: {doc['first_tokens']}")
     if "first_text" in doc:
         print(f"decoded: {doc['first_text']!r}")
+    else:
+        print("(pass --tokenizer FILE to decode)")
     return 0
 
 
@@ -66,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json, SentencePiece .model or tiktoken BPE file "
                         "(default: UTF-8 bytes, EOS 256)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="INT",
+                   help="end-of-document id appended after each document (default: the "
+                        "tokenizer's own; needed for a tokenizer that names none)")
     p.add_argument("--text-field", default="text",
                    help="jsonl field / parquet column holding the text (default: text)")
     p.add_argument("--workers", type=int, default=None,

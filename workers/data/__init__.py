@@ -5,7 +5,8 @@
 - Sources (sources.py): `SyntheticSource`, `TokenFileSource` (a flat token file),
   `IndexedSource` (an indexed dataset prefix); `open_source`, `open_uri`.
 - Blends (blend.py): `BlendAssignment` (global index -> source and its index), `BlendedSource`.
-- Documents (documents.py): positions and block-causal masks from EOS tokens, EOS loss masking.
+- Documents (documents.py): positions and block-causal masks from EOS tokens, EOS loss masking,
+  `check_document_ends` (an indexed source's documents end with the EOS the job uses).
 - `prepare_token_file`: byte-level tokens of text files into a flat token file; `EOS_ID`.
 - Tokenizers (tokenizer.py): `Tokenizer`, `load_tokenizer` (tokenizer.json, SentencePiece,
   tiktoken), `ByteTokenizer`, `auto_vocab_size`.
@@ -23,8 +24,9 @@ _MODULES = {
     "sources": ("IndexedSource", "SyntheticSource", "TokenFileSource", "TokenSource",
                 "check_rows", "open_source", "open_uri", "permute"),
     "blend": ("BLEND_BLOCK", "BlendAssignment", "BlendedSource", "source_order"),
-    "documents": ("IGNORE_INDEX", "document_ids", "document_mask", "document_positions",
-                  "documents_eos_id", "mask_eos_targets", "resolve_eos_id"),
+    "documents": ("IGNORE_INDEX", "check_document_ends", "document_ids", "document_mask",
+                  "document_positions", "documents_eos_id", "mask_eos_targets",
+                  "resolve_eos_id"),
     "tokenizer": ("ByteTokenizer", "Tokenizer", "auto_vocab_size", "load_tokenizer"),
     "indexed": ("IndexedDataset", "IndexedDatasetWriter", "dtype_for_vocab",
                 "is_indexed_dataset"),

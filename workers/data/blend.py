@@ -10,9 +10,10 @@ exact rational arithmetic. So every block carries the rounding error of the bloc
 the count over any run of whole blocks is within one of its share. Inside block b the B slots
 are dealt in order (source 0's count first) and then shuffled by the seeded permutation of
 (seed, b), so sources interleave. B is at least 1 / the smallest share, which keeps every
-block count non-negative; with the default B = 64 and shares >= 1/64, any 10,000 consecutive
-samples hold each source within 1% of its weight (whole blocks are exact to one sample, the two
-partial blocks at the ends hold at most 80 samples together).
+block count non-negative (a share below 1e-6 is refused, so B is at most 10^6); with the
+default B = 64 and shares >= 1/64, any 10,000 consecutive samples hold each source within 1
+percentage point of its share (whole blocks are exact to one sample, the two partial blocks at
+the ends hold at most 80 samples together).
 
 Per-source index: the index of a sample among its source's samples is
 `cumulative(b)[j] + (slot - first slot of j in block b)`, O(1) per sample. It goes through the
@@ -32,10 +33,14 @@ from tenax.workers.data.sources import TokenSource, permute
 logger = logging.getLogger(__name__)
 
 BLEND_BLOCK = 64
+# A block holds at least 1 / (smallest share) samples; below this share blocks would outgrow
+# int64 arithmetic (and a source would be drawn about never anyway).
+MIN_SHARE = Fraction(1, 10**6)
 
 
 def check_weights(weights: list[float]) -> list[Fraction]:
-    """Weights as exact fractions; ValueError naming the index and value of a bad one."""
+    """Weights as exact fractions; ValueError naming the index and value of a bad one, or of a
+    weight whose share of the total is below MIN_SHARE."""
     if not weights:
         raise ValueError("data.sources: empty; give at least one {uri, weight}")
     out = []
@@ -44,7 +49,17 @@ def check_weights(weights: list[float]) -> list[Fraction]:
                 or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"data.sources[{i}].weight: must be a number > 0, got {weight!r}")
         out.append(Fraction(weight))
+    total = sum(out)
+    for i, weight in enumerate(out):
+        if weight / total < MIN_SHARE:
+            raise ValueError(f"data.sources[{i}].weight: share {plain(weight / total)} is "
+                             f"below {plain(MIN_SHARE)}")
     return out
+
+
+def plain(value: Fraction) -> str:
+    """A share as people write it: 1e-20, 9.99999e-7, 0.25."""
+    return f"{float(value):.6g}".replace("e-0", "e-")
 
 
 def source_order(index: np.ndarray, n: int, seed: int | str) -> np.ndarray:

@@ -6,12 +6,15 @@ batch at a time). Local paths or any fsspec URI; glob patterns expand in sorted 
 
 Why batches of documents: tokenizing is spread over worker processes batch by batch, and the
 batches depend only on the input, so any worker count writes the same bytes. Every error names
-the file and the line (jsonl) or row (parquet) so a bad record in a terabyte corpus is found.
+the file and the line (jsonl) or row (parquet) so a bad record in a terabyte corpus is found; a
+file that cannot be read at all (a truncated or non-gzip `.jsonl.gz`, a `.parquet` that is not
+one) is a ValueError naming the file too, not a library traceback without it.
 """
 from __future__ import annotations
 
 import json
 import logging
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -23,6 +26,10 @@ BATCH_DOCUMENTS = 1000
 BATCH_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+# What reading a damaged file raises (gzip.BadGzipFile is an OSError); the ValueErrors of bad
+# records are raised by this module, already naming the file.
+READ_ERRORS = (OSError, EOFError, zlib.error)
+REASON_CHARS = 200
 
 
 @dataclass
@@ -77,34 +84,73 @@ def decode_utf8(raw: bytes, where: str) -> str:
         raise ValueError(f"{where}: invalid UTF-8 at byte {err.start}") from None
 
 
+def unreadable(f: CorpusFile, err: BaseException, at: str = "") -> ValueError:
+    """`<uri>: unreadable <kind> file[ at <at>] (<reason>)` for a file the library gave up on."""
+    reason = str(err) or type(err).__name__
+    if len(reason) > REASON_CHARS:
+        reason = reason[:REASON_CHARS] + "..."
+    return ValueError(f"{f.uri}: unreadable {f.kind} file{f' at {at}' if at else ''} "
+                      f"({reason})")
+
+
 def text_documents(f: CorpusFile) -> Iterator[tuple[str, str, int]]:
-    with f.fs.open(f.path, "rb") as stream:
-        raw = stream.read()
+    try:
+        with f.fs.open(f.path, "rb") as stream:
+            raw = stream.read()
+    except READ_ERRORS as err:
+        raise unreadable(f, err) from None
     yield decode_utf8(raw, f.uri), f.uri, len(raw)
 
 
 def jsonl_documents(f: CorpusFile, text_field: str) -> Iterator[tuple[str, str, int]]:
+    for number, raw in enumerate(jsonl_lines(f), start=1):
+        where = f"{f.uri}: line {number}"
+        line = decode_utf8(raw, where)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise ValueError(f"{where}: no field {text_field!r} (set --text-field)")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__}, "
+                             f"not a string")
+        yield text, where, len(raw)
+
+
+def jsonl_lines(f: CorpusFile) -> Iterator[bytes]:
+    """The raw lines of a jsonl file, decompressed; a read failure names the line it hit."""
     compression = "gzip" if f.kind == "jsonl.gz" else None
-    with f.fs.open(f.path, "rb", compression=compression) as stream:
-        for number, raw in enumerate(stream, start=1):
-            where = f"{f.uri}: line {number}"
-            line = decode_utf8(raw, where)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise ValueError(f"{where}: no field {text_field!r} (set --text-field)")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__}, "
-                                 f"not a string")
-            yield text, where, len(raw)
+    number = 0
+    try:
+        with f.fs.open(f.path, "rb", compression=compression) as stream:
+            for raw in stream:
+                number += 1
+                yield raw
+    except READ_ERRORS as err:
+        raise unreadable(f, err, f"line {number + 1}") from None
 
 
 def parquet_documents(f: CorpusFile, text_field: str) -> Iterator[tuple[str, str, int]]:
+    import pyarrow as pa
+
+    row = 0
+    try:
+        for texts in parquet_batches(f, text_field):
+            for text in texts:
+                if text is None:
+                    raise ValueError(f"{f.uri}: row {row} column {text_field!r} is null")
+                yield text, f"{f.uri}: row {row}", len(text)
+                row += 1
+    except (*READ_ERRORS, pa.ArrowException) as err:  # ArrowInvalid: not a parquet file
+        raise unreadable(f, err, f"row {row}" if row else "") from None
+
+
+def parquet_batches(f: CorpusFile, text_field: str) -> Iterator[list[str | None]]:
+    """The column `text_field` of a parquet file, one record batch at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -117,15 +163,10 @@ def parquet_documents(f: CorpusFile, text_field: str) -> Iterator[tuple[str, str
         kind = schema.field(text_field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ValueError(f"{f.uri}: column {text_field!r} is {kind}, not a string column")
-        row = 0
         for group in range(reader.num_row_groups):
             for batch in reader.iter_batches(PARQUET_BATCH_ROWS, row_groups=[group],
                                              columns=[text_field]):
-                for text in batch.column(0).to_pylist():
-                    if text is None:
-                        raise ValueError(f"{f.uri}: row {row} column {text_field!r} is null")
-                    yield text, f"{f.uri}: row {row}", len(text)
-                    row += 1
+                yield batch.column(0).to_pylist()
 
 
 def documents(f: CorpusFile, text_field: str) -> Iterator[tuple[str, str, int]]:

@@ -9,20 +9,27 @@ no extra index reads.
 
 With `data.mask_eos_loss: true` the target predicted from an EOS input (the first token of the
 next document, which the model cannot know) is ignored in the loss.
+
+Both features silently do nothing when the EOS id is wrong (a BPE dataset, EOS 0, read with the
+byte-level default 256), so `check_document_ends` compares the last token of an indexed
+dataset's first documents with the resolved EOS when the loader opens it.
 """
 from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from typing import Iterable
 
 import torch
 
+from tenax.workers.data.sources import IndexedSource, TokenSource
 from tenax.workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 BYTE_EOS_ID = 256
+EOS_CHECK_DOCUMENTS = 64  # documents whose last token must be the EOS
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -86,3 +93,23 @@ def documents_eos_id(data_spec: DataSpec, cp: int, pp: int) -> int | None:
     if data_spec.document_mask or data_spec.mask_eos_loss:
         return resolve_eos_id(data_spec)
     return None
+
+
+def check_document_ends(data_spec: DataSpec, sources: Iterable[TokenSource]) -> None:
+    """With data.document_mask or data.mask_eos_loss, the last token of each indexed source's
+    first EOS_CHECK_DOCUMENTS documents must be the resolved EOS; ValueError otherwise (naming
+    the field, the URI and the EOS id, never a token of the data)."""
+    if not (data_spec.document_mask or data_spec.mask_eos_loss):
+        return
+    indexed = [s for s in sources if isinstance(s, IndexedSource)]
+    if not indexed:
+        return  # flat token files and synthetic data carry no document index
+    eos = resolve_eos_id(data_spec)
+    field = "data.document_mask" if data_spec.document_mask else "data.mask_eos_loss"
+    for source in indexed:
+        offsets = source.dataset.document_token_offsets[: EOS_CHECK_DOCUMENTS + 1]
+        ends = [int(end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
+        last = source.dataset.read_ranges([(end - 1, end) for end in ends])
+        if not all(int(tokens[0]) == eos for tokens in last):
+            raise ValueError(f"{field}: documents of {source.uri!r} do not end with eos id {eos}; "
+                             f"set data.tokenizer or data.eos_id (Megatron: --append-eod)")

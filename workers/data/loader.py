@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tenax.workers.data.blend import BlendedSource, source_order
+from tenax.workers.data.documents import check_document_ends
 from tenax.workers.data.sources import TokenSource, open_source, open_uri
 from tenax.workers.spec import DataSpec, JobSpec
 
@@ -63,6 +64,9 @@ class TokenDataLoader:
             self.blend = open_blend(data_spec, seq_len, vocab_size, seed)
         else:
             self.source = open_source(data_spec, seq_len, vocab_size, seed)
+        # A wrong EOS would make document masks and EOS loss masking silent no-ops.
+        check_document_ends(data_spec, self.blend.sources if self.blend is not None
+                            else [self.source])
         self.samples_consumed = 0
 
     @classmethod
@@ -167,7 +171,8 @@ def _open_texts(text_uris: list[str]) -> list[tuple[Any, str, str]]:
 
 def _check_token_dtype(token_dtype: str, eos_id: int | None) -> np.dtype:
     if token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.token_dtype: {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        raise ValueError(f"data.token_dtype: {token_dtype!r} is not one of "
+                         f"{', '.join(TOKEN_DTYPES)}")
     top = int(np.iinfo(np.dtype(token_dtype)).max)
     if eos_id is not None and not 0 <= eos_id <= top:
         raise ValueError(f"prepare_token_file: eos_id {eos_id} does not fit token_dtype "

@@ -102,7 +102,8 @@ def encode_in_order(batches: Iterator[DocumentBatch], tokenizer: Tokenizer, dtyp
 
 
 class Meter:
-    """Documents, tokens and input MB/s; a rich progress line on stderr when enabled."""
+    """Documents, tokens and input MB/s; a rich progress line on stderr when enabled, erased
+    when closed (the summary line, or an error, follows it)."""
 
     def __init__(self, enabled: bool, label: str) -> None:
         self.documents = self.tokens = self.nbytes = 0
@@ -114,7 +115,7 @@ class Meter:
 
             self.progress = Progress(SpinnerColumn(), TextColumn(label),
                                      TextColumn("{task.description}"), TimeElapsedColumn(),
-                                     console=Console(stderr=True), transient=False)
+                                     console=Console(stderr=True), transient=True)
             self.task = self.progress.add_task("starting", total=None)
             self.progress.start()
 
@@ -145,18 +146,25 @@ def check_workers(workers: int | None) -> int:
 
 def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | None = None,
                     text_field: str = "text", workers: int | None = None,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, eos_id: int | None = None) -> dict[str, Any]:
     """Tokenize `inputs` (.txt, .jsonl, .jsonl.gz, .parquet; paths or fsspec URIs, globs) into
     the indexed dataset `out` (a prefix: `out.bin` + `out.idx`), EOS after every document.
 
     `tokenizer`: a tokenizer file (see `load_tokenizer`) or object; None -> byte-level tokens.
+    `eos_id` (`--eos-id`): the id appended after each document instead of the tokenizer's own
+    EOS, for a tokenizer file that names none (not with a tokenizer object).
     Tokens are uint16 when the vocabulary fits, else int32. On any error nothing is left at
     `out`. Returns {"prefix", "documents", "tokens", "dtype", "bytes" (.bin + .idx),
     "seconds"}.
     """
     start = time.perf_counter()
-    tok = load_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) \
-        else tokenizer
+    if tokenizer is None or isinstance(tokenizer, str):
+        tok = load_tokenizer(tokenizer, eos_id)
+    elif eos_id is not None:
+        raise ValueError("prepare_dataset: eos_id goes with a tokenizer file; a tokenizer "
+                         "object brings its own eos_id")
+    else:
+        tok = tokenizer
     files = resolve_inputs(inputs)
     count = check_workers(workers)
     dtype = dtype_for_vocab(tok.vocab_size)

@@ -8,7 +8,9 @@ Nothing is fetched from a hub or URL: a tokenizer is the bytes of one file at a 
 any fsspec URI. The bytes are kept in the object, so it pickles to worker processes (which
 may not see the same filesystem, e.g. memory://) and rebuilds there on first use.
 
-`encode` never adds BOS/EOS; callers append `eos_id` after each document themselves.
+`encode` never adds BOS/EOS; callers append `eos_id` after each document themselves. Special
+tokens written literally in a text ("<|endoftext|>") are encoded as ordinary text by every
+backend, so only the EOS the caller appends ends a document.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ class FileTokenizer:
         found = self.find_eos() if eos_id is None else eos_id
         if found is None:
             raise ValueError(f"tokenizer {uri!r}: no end-of-document token found (looked for "
-                             f"{', '.join(EOS_CANDIDATES)}); set data.eos_id to its id")
+                             f"{', '.join(EOS_CANDIDATES)}); set --eos-id (data.eos_id when "
+                             f"training) to its id")
         if isinstance(found, bool) or not isinstance(found, int) \
                 or not 0 <= found < self.vocab_size:
             raise ValueError(f"data.eos_id: {found!r} is outside the vocabulary of tokenizer "
@@ -140,7 +143,11 @@ class HFTokenizer(FileTokenizer):
     def build(self) -> Any:
         from tokenizers import Tokenizer as RustTokenizer
 
-        return RustTokenizer.from_str(self.blob.decode("utf-8"))
+        backend = RustTokenizer.from_str(self.blob.decode("utf-8"))
+        # A literal "<|endoftext|>" in a document is text, not an EOS that would cut the
+        # document in two; tiktoken's encode_ordinary treats it the same way.
+        backend.encode_special_tokens = True
+        return backend
 
     def measure_vocab(self) -> int:
         vocab = self.model.get_vocab(with_added_tokens=True)
