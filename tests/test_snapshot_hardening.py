@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,28 @@ def test_the_room_counts_the_jobs_own_buffers_as_free(tmpfs_1m, monkeypatch):
     assert abs(after[1] - before[1]) <= 8192  # its own bytes are rewritten in place
     other = snapshot_tmpfs_room("job-b")
     assert other is not None and other[1] <= before[1] - 256 * 1024
+
+
+def test_a_hung_gcs_costs_one_thread_however_many_placements_ask(monkeypatch):
+    """Each placement reads the nodes' memory with a deadline; while ray.nodes() hangs every
+    later placement waits on that one call instead of leaving a blocked thread of its own."""
+    from tenax.orchestrator.placement.host_memory import ray_node_memory_bytes
+
+    hold, calls = threading.Event(), []
+
+    def nodes() -> list:
+        calls.append(threading.current_thread().name)
+        hold.wait(60)
+        return [{"NodeID": "a", "Alive": True, "Resources": {"memory": 8e9}}]
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(nodes=nodes))
+    try:
+        for _ in range(5):
+            assert ray_node_memory_bytes(timeout_s=0.01) is None  # late: unknown
+        assert len(calls) == 1, calls
+    finally:
+        hold.set()
+    assert ray_node_memory_bytes(timeout_s=30) == {"a": 8e9}  # answered: read again
 
 
 @pytest.mark.slow

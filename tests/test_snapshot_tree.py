@@ -12,9 +12,10 @@ import time
 
 import pytest
 
+from tenax.checkpoint.memory.restore import assemble_version
 from tenax.checkpoint.memory.snapshot_store import SnapshotDir, SnapshotStamp, crc32c_of
-from tenax.checkpoint.memory.tmpfs_tree import (LOCK_NAME, SNAPSHOT_ENV, JobLock, job_dir,
-                                                snapshot_root, sweep_stale)
+from tenax.checkpoint.memory.tmpfs_tree import (LOCK_NAME, SNAPSHOT_ENV, JobLock, file_name_of,
+                                                job_dir, snapshot_root, sweep_stale)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,31 +59,130 @@ def test_the_root_is_made_ours_alone_and_every_file_is_0600(base):
                 assert _mode(os.path.join(where, name)) == 0o700, (where, name)
 
 
-@pytest.mark.parametrize("unsafe", ["symlink", "mode", "owner"])
-def test_an_unsafe_root_is_never_used_and_a_private_one_is_said(base, tmp_path, unsafe, caplog):
+ROOT_OF = """
+from tenax.checkpoint.memory.tmpfs_tree import snapshot_root
+print(snapshot_root())
+"""
+STRANGER = 54321  # a uid that is not ours
+
+
+def _root_in_another_process() -> str:
+    done = subprocess.run([sys.executable, "-c", ROOT_OF], capture_output=True, text=True,
+                          timeout=60, check=True)
+    return done.stdout.strip()
+
+
+def _needs_root() -> None:
+    if os.getuid() != 0:
+        pytest.skip("giving a file another owner needs root")
+
+
+def test_a_too_open_root_of_ours_is_tightened_and_used_by_every_process(base, caplog):
+    expected = _expected(base)
+    os.mkdir(expected, 0o700)
+    os.makedirs(os.path.join(expected, "older-job", "slot"))  # what an older version left
+    os.chmod(expected, 0o755)
+    with caplog.at_level(logging.WARNING, logger="tenax.checkpoint.memory.tmpfs_tree"):
+        assert snapshot_root() == expected
+    assert _mode(expected) == 0o700
+    assert any("tightened to 700" in r.getMessage() for r in caplog.records)
+    assert _root_in_another_process() == expected
+    assert not [n for n in os.listdir(base) if n != os.path.basename(expected)]  # no fallback
+
+
+@pytest.mark.parametrize("unsafe", ["symlink", "owner", "foreign-entry"])
+def test_an_unsafe_root_is_never_used_and_every_process_shares_one_fallback(base, tmp_path,
+                                                                            unsafe, caplog):
     expected, elsewhere = _expected(base), tmp_path / "elsewhere"
     elsewhere.mkdir()
     if unsafe == "symlink":
         os.symlink(elsewhere, expected)
+        reason = "symbolic link"
     else:
+        _needs_root()
         os.mkdir(expected, 0o700)
-        if unsafe == "mode":
+        if unsafe == "owner":
+            os.chown(expected, STRANGER, -1)
+            reason = f"owned by uid {STRANGER}"
+        else:  # ours but open, and another user already put something in it
+            os.mkdir(os.path.join(expected, "planted"))
+            os.chown(os.path.join(expected, "planted"), STRANGER, -1)
             os.chmod(expected, 0o777)
-        elif os.getuid() == 0:
-            os.chown(expected, 54321, -1)
-        else:
-            pytest.skip("changing a directory's owner needs root")
+            reason = f"planted in it is owned by uid {STRANGER}"
     with caplog.at_level(logging.WARNING, logger="tenax.checkpoint.memory.tmpfs_tree"):
         root = snapshot_root()
-    assert root != expected and _mode(root) == 0o700 and not os.path.islink(root)
+    assert root == f"{expected}-1" and _mode(root) == 0o700 and not os.path.islink(root)
     assert os.lstat(root).st_uid == os.getuid()
-    assert snapshot_root() == root  # one private directory per process
-    assert any("not safe" in r.getMessage() for r in caplog.records)
+    assert snapshot_root() == root
+    assert _root_in_another_process() == root  # the agents, the sweep and the controller agree
+    said = [r.getMessage() for r in caplog.records if "not safe" in r.getMessage()]
+    assert len(said) == 1 and reason in said[0] and root in said[0], said
     SnapshotDir(os.path.join(job_dir("j"), "local")).write(
         SnapshotStamp(1, 0, 1, 3, {"f": [1, crc32c_of([b"y"])]}, {}), {"f": b"y"})
     assert list(elsewhere.iterdir()) == []  # nothing went through the unsafe one
     if unsafe != "symlink":
-        assert os.listdir(expected) == []
+        assert os.listdir(expected) == ([] if unsafe == "owner" else ["planted"])
+        assert _mode(expected) == (0o700 if unsafe == "owner" else 0o777)  # left as it was
+
+
+def test_an_unsafe_fallback_is_skipped_the_same_way(base, tmp_path):
+    expected = _expected(base)
+    os.symlink(tmp_path, expected)
+    os.symlink(tmp_path, f"{expected}-1")
+    assert snapshot_root() == f"{expected}-2" == _root_in_another_process()
+    assert _mode(f"{expected}-2") == 0o700
+
+
+def test_restore_files_are_ours_alone(base):
+    """An assembled restore: 0700 directories, 0600 files (the manifest too), written or
+    linked."""
+    data = {"a.bin": b"a" * 64, "b.bin": b"b" * 32}
+    commit = {"layout": {}, "model_hash": "m", "data_cursor": 0, "seed": 1, "lr_step": 3,
+              "extra": {}}
+    stamps = [SnapshotStamp(1, rank, 2, 3, {name: [len(data[name]), crc32c_of([data[name]])]},
+                            commit) for rank, name in enumerate(sorted(data))]
+    held = SnapshotDir(os.path.join(job_dir("j"), "slot", "local"))
+    held.write(stamps[1], {"b.bin": data["b.bin"]})
+    linked = os.path.join(held.series(1, 1), "s3")
+    restore = os.path.join(job_dir("j"), "restore", "g1", "key")
+    uri = assemble_version(restore, [(stamps[0], {"a.bin": data["a.bin"]}),
+                                     (stamps[1], linked)])
+    assert uri == f"file://{restore}"
+    seen = set()
+    for where, dirs, files in os.walk(os.path.join(job_dir("j"), "restore")):
+        assert _mode(where) == 0o700, where
+        for name in files:
+            assert _mode(os.path.join(where, name)) == 0o600, (where, name)
+            seen.add(name)
+    assert {"a.bin", "b.bin", "manifest.json"} <= seen
+
+
+@pytest.mark.parametrize("name", ["../escape", "sub/x", "manifest.json", ".."])
+def test_a_restore_writes_only_plain_names_inside_its_version(base, name):
+    from tenax.checkpoint.errors import SnapshotError
+
+    stamp = SnapshotStamp(1, 0, 1, 3, {name: [1, crc32c_of([b"z"])]},
+                          {"layout": {}, "model_hash": "m", "data_cursor": 0, "seed": 1,
+                           "lr_step": 3, "extra": {}})
+    restore = os.path.join(job_dir("j"), "restore", "g1", "key")
+    with pytest.raises(SnapshotError, match="not a plain file name"):
+        assemble_version(restore, [(stamp, {name: b"z"})])
+    assert not os.path.exists(os.path.join(restore, "escape"))
+    assert not os.path.exists(os.path.join(job_dir("j"), "restore", "g1", "escape"))
+
+
+def test_file_names_are_kept_when_safe_and_never_shared_when_changed():
+    import hashlib
+
+    for name in ("tiny-llama", "job_1.a-B", "x" * 120):
+        assert file_name_of(name) == name  # the directories of running jobs keep their names
+    long_a, long_b = "j" * 150 + "a", "j" * 150 + "b"
+    for name in (long_a, long_b, "a/b", "../up", "", "."):
+        got = file_name_of(name)
+        assert len(got) <= 120 and not got.startswith(".") and "/" not in got, got
+        assert got.endswith("-" + hashlib.sha1(name.encode()).hexdigest()[:12]), got
+    assert file_name_of(long_a) != file_name_of(long_b)
+    assert file_name_of("a/b") != file_name_of("a_b")
 
 
 def _holder(path: str) -> subprocess.Popen:
@@ -110,10 +210,15 @@ def test_a_job_directory_is_removed_once_its_last_holder_is_gone(base):
     assert sweep_stale(snapshot_root()) == [live]
 
 
-def test_the_next_agent_to_start_removes_what_a_killed_job_left(base):
+@pytest.mark.parametrize("where", ["shared", "fallback", "older-private"])
+def test_the_next_agent_to_start_removes_what_a_killed_job_left(base, tmp_path, where):
     from tenax.workers.snapshot_keeper import SnapshotKeeper
 
+    if where == "fallback":  # the shared root is unsafe: every process uses the same fallback
+        os.symlink(tmp_path, _expected(base))
     dead = job_dir("killed-run")
+    if where == "older-private":  # an older version's per-process `mkdtemp` tree
+        dead = os.path.join(f"{_expected(base)}-k3x9q_2z", "killed-run")
     killed = _holder(dead)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=30)
@@ -124,8 +229,56 @@ def test_the_next_agent_to_start_removes_what_a_killed_job_left(base):
         assert time.monotonic() < deadline, "the leftover was not removed"
         time.sleep(0.02)
     assert os.path.exists(keeper.local_dir)  # its own job is held, never swept
+    for where, _, _ in os.walk(keeper.job_root):  # slot, local and replica: ours alone
+        assert _mode(where) == 0o700, where
     assert sweep_stale(snapshot_root()) == []
     keeper.drop_job()
+
+
+def _age(path: str) -> None:
+    then = time.time() - 3600
+    os.utime(path, (then, then))
+
+
+def test_the_sweep_covers_every_tree_of_ours_and_never_a_live_job(base, tmp_path):
+    """The shared fallback and older versions' per-process trees are swept too: their dead
+    jobs go, and a per-process tree goes once it is empty and idle; live jobs, the shared
+    trees themselves and another user's tree stay."""
+    expected = _expected(base)
+    os.symlink(tmp_path / "elsewhere", expected)  # unsafe: the fallback is in use
+    fallback = snapshot_root()
+    assert fallback == f"{expected}-1"
+    old_busy, old_dead, old_empty, fresh_empty, theirs = (
+        f"{expected}-{s}" for s in ("abcd1234", "ijkl9012", "efgh5678", "mnop3456", "qrst7890"))
+    dead = [os.path.join(fallback, "killed"), os.path.join(old_busy, "killed"),
+            os.path.join(old_dead, "killed")]
+    live = os.path.join(old_busy, "live")
+    keeper_of_live = _holder(live)
+    for path in dead:
+        killed = _holder(path)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    for path in (old_empty, fresh_empty):
+        os.mkdir(path, 0o700)
+    stranger_job = os.path.join(theirs, "lockless")
+    if os.getuid() == 0:
+        os.makedirs(stranger_job)
+        _age(stranger_job)  # a lockless leftover of ours this old would go
+        os.chown(theirs, STRANGER, -1)
+    for path in (old_busy, old_dead, old_empty):
+        _age(path)
+    try:
+        removed = sweep_stale()
+        assert sorted(removed) == sorted(dead + [old_dead, old_empty])
+        assert os.path.exists(os.path.join(live, LOCK_NAME))
+        assert os.path.isdir(fallback) and os.path.isdir(fresh_empty)
+        assert os.path.isdir(old_busy)  # it still holds a live job
+        if os.getuid() == 0:
+            assert os.path.isdir(stranger_job)
+    finally:
+        keeper_of_live.stdin.close()
+        keeper_of_live.wait(timeout=30)
+    assert sweep_stale() == [live]  # touched just now: the tree waits for the grace
 
 
 def test_a_directory_swept_while_a_holder_waits_is_made_again_for_it(base):

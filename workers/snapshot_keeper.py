@@ -30,7 +30,7 @@ from typing import Any
 
 from tenax.checkpoint import SnapshotError, assemble_version
 from tenax.checkpoint.memory import (BufferMaps, JobLock, SnapshotDir, SnapshotStamp,
-                                     file_name_of, job_dir, snapshot_root, sweep_stale)
+                                     file_name_of, job_dir, makedirs_private, sweep_stale)
 from tenax.workers.replica_auth import Expectation, check_stamp, replica_cap
 from tenax.workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
@@ -80,9 +80,9 @@ class SnapshotKeeper:
         self.terms = ReplicaTerms()
         self._job_lock = JobLock()
         # The directories that agents of jobs now gone left behind (a killed `tenax run`)
-        # go when the next agent starts here; off the actor's start-up path.
-        threading.Thread(target=sweep_stale, args=(snapshot_root(),), daemon=True,
-                         name="tenax-snapshot-sweep").start()
+        # go when the next agent starts here, from every tree of this user (the shared one,
+        # its fallbacks, older versions' per-process ones); off the actor's start-up path.
+        threading.Thread(target=sweep_stale, daemon=True, name="tenax-snapshot-sweep").start()
         self._closed_failures: Counter[str] = Counter()  # of receivers closed by drop_job
 
     def configure(self, job_id: str, rank: int, peer: Any, generation: int,
@@ -107,7 +107,8 @@ class SnapshotKeeper:
             _abort(stale)
         if job_id:
             self._job_lock.hold(self.job_root)  # the job is live on this node while held
-            os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+            for where in (self.local_dir, self.replica_dir):  # the slot directory too: 0700
+                makedirs_private(where)
 
     def _expectation(self) -> Expectation | None:
         """What this agent's receiver takes now (None: nothing, no job or no secret)."""

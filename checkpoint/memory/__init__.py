@@ -5,8 +5,8 @@
 - `SnapshotDir`, `SnapshotStamp`, `crc32c_of`: the `.partial`/stamp layout that makes a copy
   killed half-way invisible; torch-free, for agents.
 - The tmpfs tree (`tmpfs_tree`): `snapshot_root` (checked: ours alone), `SNAPSHOT_ENV`,
-  `job_dir`, `file_name_of`, `JobLock` and `sweep_stale` (jobs that are gone), `free_space`,
-  `used_bytes`.
+  `job_dir`, `file_name_of`, `makedirs_private`, `JobLock`, `snapshot_trees` and
+  `sweep_stale` (jobs that are gone), `free_space`, `used_bytes`.
 - `BufferMaps`: the kept memory mappings of the double buffer.
 - `assemble_version`: every rank's pieces of one step committed as an ordinary version, which
   the manager then loads (and reshards) like storage.
@@ -22,7 +22,8 @@ _MODULES = {
     "snapshot_store": ("SnapshotDir",),
     "snapshot_stamp": ("SnapshotStamp", "crc32c_of"),
     "tmpfs_tree": ("SNAPSHOT_ENV", "JobLock", "file_name_of", "free_space", "job_dir",
-                   "snapshot_root", "sweep_stale", "used_bytes"),
+                   "makedirs_private", "snapshot_root", "snapshot_trees", "sweep_stale",
+                   "used_bytes"),
     "buffer_maps": ("BufferMaps",),
     "restore": ("assemble_version",),
 }

@@ -1,8 +1,8 @@
 """Assemble in-memory snapshot pieces into an ordinary checkpoint version, then load it as one.
 
 Why assemble instead of a second reader: a snapshot's pieces are byte for byte the files a
-storage save of that step would have written (checkpoint/memory/snapshot.py), so writing every rank's
-pieces of one step side by side under a node-local tmpfs root and committing a manifest there
+storage save of that step would have written (checkpoint/memory/snapshot.py), so writing every
+rank's pieces of one step side by side under a node-local tmpfs root and committing a manifest there
 gives a version that `CheckpointManager.load(source_uri=...)` verifies and reshards exactly as
 it does storage: the new layout may differ from the one the snapshot was taken in.
 """
@@ -14,10 +14,11 @@ import shutil
 from typing import Any
 
 from tenax.checkpoint.errors import SnapshotError
-from tenax.checkpoint.format.catalog import Catalog, version_name
+from tenax.checkpoint.format.catalog import MANIFEST_NAME, Catalog, version_name
 from tenax.checkpoint.format.manifest import CommitInfo, FileEntry
 from tenax.checkpoint.format.storage import Storage
 from tenax.checkpoint.memory.snapshot_store import SnapshotStamp
+from tenax.checkpoint.memory.tmpfs_tree import makedirs_private, write_private
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ def assemble_version(root: str, pieces: list[Piece], timeout_s: float = 60.0) ->
     if ranks != list(range(first.world)):
         raise SnapshotError(f"snapshot pieces cover ranks {ranks}, need 0..{first.world - 1}")
     for stamp, _ in pieces:
-        if (stamp.generation, stamp.step, stamp.world) != (first.generation, first.step, first.world):
+        if (stamp.generation, stamp.step, stamp.world) != (first.generation, first.step,
+                                                           first.world):
             raise SnapshotError(f"snapshot pieces mix steps/generations: rank {stamp.rank} has "
                                 f"step {stamp.step} gen {stamp.generation}, rank {first.rank} "
                                 f"step {first.step} gen {first.generation}")
     shutil.rmtree(root, ignore_errors=True)
     version = os.path.join(root, version_name(first.step))
-    os.makedirs(version)
+    makedirs_private(version)  # like the snapshots: 0700 directories, 0600 files
     known: dict[str, FileEntry] = {}
     for stamp, files in pieces:
         for name, (size, crc) in stamp.files.items():
@@ -63,6 +65,7 @@ def assemble_version(root: str, pieces: list[Piece], timeout_s: float = 60.0) ->
         extra={**commit["extra"], "source": "memory"}, expected_files=tuple(known),
         allow_empty_files=True)
     Catalog(Storage(uri, timeout_s=timeout_s), checksum="crc32c").commit(info, known=known)
+    _close(os.path.join(version, MANIFEST_NAME))  # storage writes it with the umask's mode
     linked = sum(1 for _, files in pieces if isinstance(files, str))
     logger.info("assembled snapshot step %d of %d ranks (%d bytes; %d piece(s) linked, %d "
                 "written) under %s", first.step, first.world,
@@ -71,11 +74,21 @@ def assemble_version(root: str, pieces: list[Piece], timeout_s: float = 60.0) ->
 
 
 def _place(target: str, files: "dict[str, Any] | str", name: str) -> None:
+    if not name or os.path.basename(name) != name or name in (".", "..", MANIFEST_NAME):
+        raise SnapshotError(f"snapshot file name {name!r} is not a plain file name")
     if isinstance(files, str):  # a complete snapshot on this filesystem: share its pages
         os.link(os.path.join(files, name), target)
         return
-    with open(target, "wb") as f:
-        f.write(files[name])
+    write_private(target, files[name])
+
+
+def _close(path: str) -> None:
+    """chmod 0600 the file at `path`, never through a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def _commit_fields(pieces: list[Piece]) -> dict[str, Any]:

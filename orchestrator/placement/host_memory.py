@@ -41,6 +41,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -172,29 +174,54 @@ def _alive_memory(nodes: Iterable[Mapping[str, Any]], wanted: set[str] | None
     return out
 
 
+class _NodesCall:
+    """ray.nodes() on a daemon thread, one call at a time: callers arriving while one is in
+    flight wait on that same call, so a hung GCS costs one stuck thread, not one per placement.
+    (capacity.NodesReader does the same, but that module imports ray at once, and the plan's
+    CLI reads this one without Ray.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: Future | None = None
+
+    def nodes(self, timeout_s: float) -> Any:
+        """Ray's node table; FutureTimeout when late, ray.nodes()'s own error when it fails."""
+        with self._lock:
+            if self._call is None or self._call.done():
+                self._call = Future()
+                threading.Thread(target=self._run, args=(self._call,), daemon=True,
+                                 name="tenax-node-memory").start()
+            call = self._call
+        return call.result(timeout=timeout_s)
+
+    @staticmethod
+    def _run(call: Future) -> None:
+        try:
+            import ray
+
+            call.set_result(ray.nodes())
+        except BaseException as err:  # handed to the waiting callers
+            call.set_exception(err)
+
+
+_NODES = _NodesCall()
+
+
 def ray_node_memory_bytes(node_ids: Iterable[str] | None = None,
                           timeout_s: float = RAY_TIMEOUT_S) -> dict[str, float] | None:
     """Ray's `memory` resource (bytes) of the alive nodes, or of `node_ids` among them.
 
-    ray.nodes() is a GCS call with no deadline of its own: it runs on a daemon thread and this
-    returns None (unknown) if it has not answered within `timeout_s`, fails, or no node
-    reports `memory`. Needs Ray initialised by the caller."""
+    ray.nodes() is a GCS call with no deadline of its own: it runs on a daemon thread (one at
+    a time, shared by every caller) and this returns None (unknown) if it has not answered
+    within `timeout_s`, fails, or no node reports `memory`. Needs Ray initialised by the
+    caller."""
     wanted = None if node_ids is None else {str(n) for n in node_ids}
-    box: dict[str, Any] = {}
-
-    def read() -> None:
-        try:
-            import ray
-
-            box["nodes"] = ray.nodes()
-        except Exception as err:  # noqa: BLE001 - any failure means "unknown", reported below
-            box["error"] = err
-
-    thread = threading.Thread(target=read, name="tenax-node-memory", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if "nodes" not in box:
-        logger.warning("node memory unknown: ray.nodes() %s", f"failed: {box['error']!r}"
-                       if "error" in box else f"did not answer within {timeout_s} s")
+    try:
+        nodes = _NODES.nodes(timeout_s)
+    except FutureTimeout:
+        logger.warning("node memory unknown: ray.nodes() did not answer within %s s", timeout_s)
         return None
-    return _alive_memory(box["nodes"], wanted) or None
+    except Exception as err:  # noqa: BLE001 - any failure means "unknown", said here
+        logger.warning("node memory unknown: ray.nodes() failed: %r", err)
+        return None
+    return _alive_memory(nodes, wanted) or None
