@@ -38,8 +38,8 @@ from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps, reserve
 # The stamp's names stay importable from here (where they were first defined)
 from tenax.checkpoint.memory.snapshot_stamp import SnapshotStamp, crc32c_of
 # The tree's names stay importable from here (where they were first defined)
-from tenax.checkpoint.memory.tmpfs_tree import (SNAPSHOT_ENV, job_dir, snapshot_root,
-                                                write_private)
+from tenax.checkpoint.memory.tmpfs_tree import (SNAPSHOT_ENV, job_dir, makedirs_private,
+                                                snapshot_root, write_private)
 from tenax.checkpoint.save.writer import write_all
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class SnapshotDir:
         """The `.partial` directory to write this step into: a reused buffer when `keep` are
         held (see __init__), else a fresh one; other leftovers of a killed writer go."""
         series = self.series(generation, rank)
-        os.makedirs(series, mode=0o700, exist_ok=True)
+        makedirs_private(series)  # its parents too: os.makedirs would make them 0755
         path = os.path.join(series, f"s{step}{PARTIAL}")
         reuse = self._reusable(series, generation, rank)
         if reuse is None:
