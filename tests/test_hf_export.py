@@ -1,4 +1,4 @@
-"""`tenax export hf`: checkpoints saved in dp2, tp2 and pp2 load into transformers'
+"""`tenax export hf`: checkpoints saved in dp2, tp2, pp2 and ZeRO-3 load into transformers'
 LlamaForCausalLM without complaint and give the engine's logits (MoE models, exported as
 Mixtral: tests/test_hf_mixtral.py).
 
@@ -21,7 +21,7 @@ from tests.distributed import run_ranks
 
 pytest.importorskip("transformers")
 
-LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "zero3": {"dp": 2, "zero": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,12 @@ def test_cli_export_bf16_and_errors(checkpoints: dict[str, Any], tmp_path: Path,
     assert "--step 7: not a committed version" in capsys.readouterr().err
     assert main(["export", "hf", f"file://{tmp_path}/nothing", "--out", str(out)]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("not a directory")
+    assert main(["export", "hf", uri, "--out", str(tmp_path / "a_file"), "--quiet"]) == 2
+    assert f"--out: '{tmp_path / 'a_file'}': exists and is not a directory" in \
+        capsys.readouterr().err
+    assert main(["export", "hf", uri, "--out", "/proc/tenax-export", "--quiet"]) == 2
+    assert "--out: '/proc/tenax-export': " in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -111,23 +117,138 @@ def test_tied_embeddings_export(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_export_refusals_and_tokenizer(checkpoints: dict[str, Any], tmp_path: Path) -> None:
-    """An MoE spec over a dense checkpoint is refused naming the expert tensors it lacks; the
-    job's tokenizer.json is copied, its EOS in config.json."""
+def test_spec_that_is_not_the_checkpoints_refused(checkpoints: dict[str, Any], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """A --spec whose model section differs from the checkpoint's saved one is refused naming
+    the first differing key and both values, before anything is written."""
+    import yaml
+
+    from tenax.orchestrator.cli.main import main
     from tenax.workers.hf.export import ExportError, export_hf
 
     uri, _ = checkpoints["dp2"]
-    spec = hf_jobs.hf_spec().model_dump(mode="json", by_alias=True)
-    moe = {**spec, "model": {**spec["model"], "moe": {"num_experts": 4, "top_k": 2}}}
-    with pytest.raises(ExportError, match=r"the checkpoint lacks \['layers.0.feed_forward."
-                                          r"experts.w1.weight'"):
-        export_hf(uri, str(tmp_path / "moe"), spec=moe)
-    assert not (tmp_path / "moe" / "config.json").exists()
+    with pytest.raises(ExportError, match=r"--spec: model.rope_theta is 500000.0, the "
+                                          r"checkpoint's is 10000.0"):
+        export_hf(uri, str(tmp_path / "theta"), spec=_job(["model.rope_theta=500000"]))
+    with pytest.raises(ExportError, match=r"--spec: model.moe is \{.*\}, the checkpoint's is "
+                                          r"None"):
+        export_hf(uri, str(tmp_path / "moe"), spec=_job(hf_jobs.MOE_TINY))
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump(_job(["model.dim=128"])))
+    assert main(["export", "hf", uri, "--out", str(tmp_path / "wide"), "--spec",
+                 str(tmp_path / "wide.yaml"), "--quiet"]) == 2
+    assert "--spec: model.dim is 128, the checkpoint's is 64" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in ("theta", "moe", "wide"))
+
+
+@pytest.mark.slow
+def test_tokenizer_files_and_eos(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """The job's tokenizer.json is copied with a tokenizer_config.json naming the EOS it was
+    trained with (merged into the source's config, whose BOS it keeps), so AutoTokenizer loads
+    the directory with its EOS; config.json carries the ids."""
+    from transformers import AutoTokenizer
+
+    from tenax.workers.hf.export import export_hf
+
+    uri, _ = checkpoints["dp2"]
     tokenizer = _word_tokenizer(tmp_path / "tok.json")
-    with_tok = {**spec, "data": {**spec["data"], "tokenizer": str(tokenizer)}}
+    with_tok = _job([f"data.tokenizer={tokenizer}"])
     export_hf(uri, str(tmp_path / "hf"), spec=with_tok)
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 1
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config.get("bos_token_id")) == (1, None)
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert (loaded.eos_token, loaded.eos_token_id, loaded.model_max_length) == ("</s>", 1, 16)
+    assert loaded("w3 w4")["input_ids"] == [5, 6]
+    source = tmp_path / "src"  # a tokenizer directory whose config names a BOS
+    source.mkdir()
+    tokenizer = _word_tokenizer(source / "tokenizer.json")
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "w0", "eos_token": "</s>", "clean_up_tokenization_spaces": False}))
+    export_hf(uri, str(tmp_path / "hf2"), spec=_job([f"data.tokenizer={tokenizer}",
+                                                     "data.eos_id=3"]))
+    config = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (3, 2)
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "hf2"), local_files_only=True)
+    assert (loaded.eos_token, loaded.eos_token_id, loaded.bos_token_id) == ("w1", 3, 2)
+
+
+# ---- checks that need no checkpoint ------------------------------------------------------------
+def _job(extra: list[str] | None = None) -> dict[str, Any]:
+    return hf_jobs.hf_spec(extra).model_dump(mode="json", by_alias=True)
+
+
+def test_spec_checked_against_the_saved_spec_or_model_hash() -> None:
+    """With a saved spec, the first differing model key is named (nested keys dotted); other
+    sections of --spec are used. Without one (older checkpoints), the model section must hash
+    to the manifest's model_hash, the hash a job writes (checkpoint_config)."""
+    from types import SimpleNamespace
+
+    from tenax.workers.checkpoint_config import checkpoint_config
+    from tenax.workers.hf.source import ExportError, job_spec_of, model_hash, model_section
+
+    saved = _job([hf_jobs.LLAMA31_SCALING])
+    written = checkpoint_config(hf_jobs.hf_spec([hf_jobs.LLAMA31_SCALING])).model_hash
+    assert model_hash(model_section(saved)) == written
+    manifest = SimpleNamespace(step=3, extra={"spec": saved}, model_hash=written)
+    assert job_spec_of(manifest, None, "file:///ck") == saved
+    scaled = [hf_jobs.LLAMA31_SCALING.replace("factor: 8.0", "factor: 4.0")]
+    with pytest.raises(ExportError, match=r"--spec: model.rope_scaling.factor is 4.0, the "
+                                          r"checkpoint's is 8.0 \(file:///ck step 3\)"):
+        job_spec_of(manifest, _job(scaled), "file:///ck")
+    with pytest.raises(ExportError, match=r"--spec: model.rope_scaling is None, the "
+                                          r"checkpoint's is \{"):
+        job_spec_of(manifest, _job(), "file:///ck")
+    same = _job([hf_jobs.LLAMA31_SCALING, "train.steps=7"])
+    assert job_spec_of(manifest, same, "file:///ck")["train"]["steps"] == 7
+    old = SimpleNamespace(step=3, extra={}, model_hash=written)
+    assert job_spec_of(old, same, "file:///ck") == same
+    with pytest.raises(ExportError, match=r"--spec: its model section hashes to [0-9a-f]{16}"
+                                          r"\.\.\., the checkpoint file:///ck step 3 was saved "
+                                          r"by a model hashing to " + written[:16]):
+        job_spec_of(old, _job(), "file:///ck")
+    with pytest.raises(ExportError, match="carries no job spec"):
+        job_spec_of(old, None, "file:///ck")
+
+
+def test_stored_tensors_checked_by_name_and_shape() -> None:
+    from torch.distributed.checkpoint.metadata import (Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from tenax.workers.hf.source import ExportError, check_stored, expected_shapes, model_section
+
+    def stored(shapes: dict[str, tuple[int, ...]]) -> Metadata:
+        return Metadata({f"model.{n}": TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size(s), []) for n, s in shapes.items()})
+
+    shapes = expected_shapes(model_section(_job()))
+    assert (shapes["tok_embeddings.weight"], shapes["layers.1.feed_forward.w1.weight"]) == \
+        ((128, 64), (96, 64))
+    check_stored(shapes, stored(shapes), "ck")
+    wide = expected_shapes(model_section(_job(["model.ffn_hidden=128"])))
+    with pytest.raises(ExportError, match=r"ck: the checkpoint's layers.0.feed_forward.w1.weight "
+                                          r"is \[96, 64\], the job's model section needs "
+                                          r"\[128, 64\] \(6 tensor\(s\) differ\)"):
+        check_stored(wide, stored(shapes), "ck")
+    moe = expected_shapes(model_section(_job(hf_jobs.MOE_TINY)))
+    with pytest.raises(ExportError, match=r"the checkpoint lacks \['layers.0.feed_forward."
+                                          r"experts.w1.weight'"):
+        check_stored(moe, stored(shapes), "ck")
+
+
+def test_out_that_cannot_be_a_directory_named(tmp_path: Path) -> None:
+    from tenax.workers.hf.export import ExportError, open_out
+
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ExportError, match=r"--out: '.*a_file': exists and is not a directory"):
+        open_out(str(tmp_path / "a_file"))
+    with pytest.raises(ExportError, match=r"--out: '.*a_file/sub': .*Not a directory"):
+        open_out(str(tmp_path / "a_file" / "sub"))
+    with pytest.raises(ExportError, match=r"--out: '/proc/tenax-export': "):
+        open_out("/proc/tenax-export")
+    with pytest.raises(ExportError, match=r"--out: 'nosuch://x': Protocol not known"):
+        open_out("nosuch://x")
+    open_out(str(tmp_path / "new" / "dir"))
+    assert (tmp_path / "new" / "dir").is_dir()
 
 
 def _word_tokenizer(path: Path) -> Path:

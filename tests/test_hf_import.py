@@ -2,8 +2,8 @@
 
 The reference is transformers' loss on the same batch (the trainer's first-step loss is the
 loss of the starting weights); models are tiny LlamaConfigs saved with save_pretrained here.
-The error cases fail before any weight is written: the config at spec load, the tensors at
-trainer build.
+The error cases fail before any weight is written: the config at spec load, the tensors before
+the job is placed (`tenax run`, a service submission) and again at trainer build.
 """
 from __future__ import annotations
 
@@ -80,6 +80,13 @@ def test_resumed_job_ignores_init_from(tmp_path: Path) -> None:
     assert out["resumed"] == 1
     for key, value in saved.items():
         torch.testing.assert_close(out["params"][key], value, rtol=0, atol=0)
+    from tenax.workers.hf.load import HFLoadError, check_init_from
+
+    cut = _truncated(path, tmp_path / "cut")  # a resumed job never reads it: not checked
+    bad = [f"model.init_from={cut}", "model.from_hf=true", "model.seq_len=16"]
+    assert check_init_from(hf_jobs.hf_spec(bad + [f"checkpoint.uri={uri}"])) is False
+    with pytest.raises(HFLoadError, match="truncated"):
+        check_init_from(hf_jobs.hf_spec(bad + [f"checkpoint.uri=file://{tmp_path}/empty"]))
     fresh = run_ranks(resume_job, 1, f"file://{tmp_path}/empty", extra)[0]
     assert fresh["resumed"] is None  # nothing to resume: the HF weights
     hf_params = dict(model.named_parameters())
@@ -177,6 +184,65 @@ def test_bad_weights_stop_the_trainer_build(hf_dir: tuple[Path, Any], tmp_path: 
     extra = [f"model.init_from={missing}", "model.from_hf=true", "model.seq_len=16"]
     with pytest.raises(RuntimeError, match="'model.norm.weight' .* is missing"):
         run_ranks(hf_jobs.first_step_job, 2, {"tp": 2}, extra)
+
+
+def _truncated(src: Path, dst: Path) -> Path:
+    cut = _copy_without(src, dst)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:-100])
+    return cut
+
+
+def _run_sets(init_from: Path, tmp_path: Path) -> list[str]:
+    return hf_jobs.HF_TINY + [f"model.init_from={init_from}", "model.from_hf=true",
+                              f"checkpoint.uri=file://{tmp_path}/ckpt"]
+
+
+def test_bad_weights_refuse_tenax_run_before_ray(hf_dir: tuple[Path, Any], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """`tenax run` reads init_from's headers before anything starts: bad weights exit 2
+    naming the file (or the tensor), and Ray is never started; good ones go on to start it."""
+    import tenax.orchestrator.loopback as loopback
+    from tenax.orchestrator.cli import runner
+    from tenax.orchestrator.cli.main import main
+
+    def no_ray(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(runner, "ray_session", no_ray)
+    monkeypatch.setattr(loopback, "loopback_env", lambda: None)  # leave os.environ alone
+    path, _ = hf_dir
+
+    def run(init_from: Path) -> int:
+        return main(["run"] + [a for s in _run_sets(init_from, tmp_path) for a in ("--set", s)])
+
+    cut = _truncated(path, tmp_path / "cut")
+    assert run(cut) == 2
+    assert f"{cut}/model.safetensors: truncated: tensor" in capsys.readouterr().err
+    missing = _copy_without(path, tmp_path / "missing", drop="model.norm.weight")
+    assert run(missing) == 2
+    assert "tensor 'model.norm.weight' (Tenax 'norm.weight') is missing" in \
+        capsys.readouterr().err
+    with pytest.raises(AssertionError, match="Ray was started"):
+        run(path)
+
+
+def test_bad_weights_refuse_a_service_submission(hf_dir: tuple[Path, Any],
+                                                 tmp_path: Path) -> None:
+    """A submission is refused (SpecError: INVALID_ARGUMENT) naming the file and tensor."""
+    from tenax.orchestrator.service.submission import parse_submission
+    from tenax.workers.errors import SpecError
+
+    path, _ = hf_dir
+    shaped = _copy_without(path, tmp_path / "shape", reshape="model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(SpecError, match=r"model.init_from: .*shape cannot initialise this model: "
+                                        r"tensor 'model.layers.0.mlp.up_proj.weight' has shape"):
+        parse_submission("{}", _run_sets(shaped, tmp_path))
+    cut = _truncated(path, tmp_path / "cut")
+    with pytest.raises(SpecError, match=f"{cut}/model.safetensors: truncated"):
+        parse_submission("{}", _run_sets(cut, tmp_path))
+    assert parse_submission("{}", _run_sets(path, tmp_path)).model.init_from == str(path)
 
 
 def test_sharded_hf_directory_reads_through_its_index(tmp_path: Path) -> None:

@@ -81,18 +81,28 @@ def test_export_gives_tenax_logits(checkpoints: dict[str, Any], tmp_path: Path, 
 def test_sharded_export_and_drop_warning(checkpoints: dict[str, Any], tmp_path: Path,
                                          caplog: pytest.LogCaptureFixture) -> None:
     """Shards split between stacked tensors, the index names every expert; a capacity that can
-    drop is a warning that says why HF's logits may differ."""
-    from tenax.workers.hf.export import export_hf
+    drop is a warning that says why HF's logits may differ (the checkpoint's capacity 2.0
+    cannot; a --spec saying 1.25 is refused, not exported as another model)."""
+    from tenax.workers.hf.export import ExportError, export_hf, note_dropless
+    from tenax.workers.hf.source import model_section
 
     uri, params = checkpoints["ep2"]
     spec = hf_jobs.hf_spec(["model.moe={num_experts: 4, top_k: 2, capacity_factor: 1.25}"])
+    dump = spec.model_dump(mode="json", by_alias=True)
+    with pytest.raises(ExportError, match=r"--spec: model.moe.capacity_factor is 1.25, the "
+                                          r"checkpoint's is 2.0"):
+        export_hf(uri, str(tmp_path / "hf"), spec=dump)
     with caplog.at_level(logging.WARNING, logger="tenax.workers.hf.export"):
-        result = export_hf(uri, str(tmp_path / "hf"), dtype="float32", shard_bytes=60_000,
-                           batch_bytes=10_000, spec=spec.model_dump(mode="json", by_alias=True))
+        assert note_dropless(model_section(dump))["drops_possible"] is True
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("dropless" in m and "capacity_factor=1.25 < num_experts/top_k=2" in m
                for m in warned), warned
-    assert result.extra["drops_possible"] is True and len(result.files) > 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tenax.workers.hf.export"):
+        result = export_hf(uri, str(tmp_path / "hf"), dtype="float32", shard_bytes=60_000,
+                           batch_bytes=10_000)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert result.extra["drops_possible"] is False and len(result.files) > 2
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == _expected_keys(params)
     assert set(index["weight_map"].values()) == set(result.files)
@@ -175,7 +185,7 @@ def test_import_in_process_gives_hf_logits(tmp_path: Path) -> None:
 # ---- config mapping and errors ---------------------------------------------------------------
 def test_config_round_trip() -> None:
     from tenax.workers.hf.config import hf_config_from_model, model_fields_from_hf
-    from tenax.workers.hf.export import model_section
+    from tenax.workers.hf.source import model_section
 
     spec = hf_jobs.hf_spec(hf_jobs.MOE_TINY).model_dump(mode="json", by_alias=True)
     model = model_section(spec)

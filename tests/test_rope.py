@@ -95,7 +95,11 @@ def _tenax_from_hf_dir(path: Path, args: ModelArgs, tokens: torch.Tensor) -> tor
 def test_llama3_rope_logits_match_hf(tmp_path: Path, scaled: bool) -> None:
     """rope_theta 500000 (and Llama 3.1 scaling, with a context short enough that the scaled
     band covers the test's positions) give HF's logits."""
-    overrides: dict = {"rope_theta": 500000.0, "max_position_embeddings": 64}
+    # norm eps 0.1 (not the 1e-5 default): a dropped or misread eps changes the logits. With
+    # HF's 0.02 init std, an eps that large flattens the attention scores until rope no longer
+    # shows; std 0.2 keeps both visible (checked below)
+    overrides: dict = {"rope_theta": 500000.0, "max_position_embeddings": 64,
+                       "rms_norm_eps": 0.1, "initializer_range": 0.2}
     scaling = RopeScalingArgs(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=8) if scaled else None
     if scaling is not None:
@@ -104,17 +108,19 @@ def test_llama3_rope_logits_match_hf(tmp_path: Path, scaled: bool) -> None:
                                      "original_max_position_embeddings": 8}
     hf = hf_jobs.random_hf_model(tmp_path / "hf", **overrides)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, seq_len=32,
-                     ffn_hidden=96, rope_theta=500000.0, rope_scaling=scaling)
+                     ffn_hidden=96, rope_theta=500000.0, rope_scaling=scaling, norm_eps=0.1)
     tokens = hf_jobs.tokens_for(seq=32)
     ours = _tenax_from_hf_dir(tmp_path / "hf", args, tokens)
     theirs = hf_jobs.hf_logits(hf, tokens)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    # without the scaling (or with the old theta) the logits must differ, or nothing is tested
-    changed = {"rope_scaling": None} if scaled else {"rope_theta": 10000.0}
-    other = _tenax_from_hf_dir(tmp_path / "hf", ModelArgs(**{**args.to_dict(), **changed}),
-                               tokens)
-    assert not torch.allclose(other, theirs, rtol=1e-5, atol=1e-5), \
-        f"{changed} made no difference: the test cannot fail"
+    # without the scaling (or with the old theta), or with the default eps, the logits must
+    # differ, or nothing is tested
+    for changed in ({"rope_scaling": None} if scaled else {"rope_theta": 10000.0},
+                    {"norm_eps": 1e-5}):
+        other = _tenax_from_hf_dir(tmp_path / "hf",
+                                   ModelArgs.from_dict({**args.to_dict(), **changed}), tokens)
+        assert not torch.allclose(other, theirs, rtol=1e-5, atol=1e-5), \
+            f"{changed} made no difference: the test cannot fail"
 
 
 def test_rope_scaling_band_is_continuous() -> None:

@@ -4,8 +4,10 @@ Writes a committed checkpoint, saved in any layout, as a directory that
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` (`MixtralForCausalLM` for a model with
 `moe`) loads: config.json, safetensors (sharded
 past --shard-size with model.safetensors.index.json) and the job's tokenizer files. Reads only
-the checkpoint; the job spec comes from the version's manifest (or --spec for checkpoints saved
-before the spec travelled with them). Exit codes: 0 written, 2 bad input or unreadable storage.
+the checkpoint; the job spec comes from the version's manifest. A --spec supplies what the
+checkpoint lacks (the tokenizer, or the whole spec for checkpoints saved before the spec
+travelled with them) and is refused when its model section is not the checkpoint's. Exit codes:
+0 written, 2 bad input, unreadable storage or an unwritable --out.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
                                shard_bytes=args.shard_size, spec=_spec_dict(args.spec),
                                progress=lambda done, total: bar.update(task, completed=done,
                                                                        total=total))
-    except (ExportError, SpecError, StorageError, CatalogError) as exc:
+    except (ExportError, SpecError, StorageError, CatalogError, OSError) as exc:
+        # an OSError here is a file export_hf writes under --out (its message names the file)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(f"wrote {result.out}: step {result.step}, {result.tensors} tensors, "
@@ -81,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", type=parse_size, default=5 * 10**9,
                    help="largest safetensors file before sharding (default 5GB)")
     p.add_argument("--spec", default=None,
-                   help="job spec, for checkpoints saved without one in their manifest")
+                   help="job spec: its model section must be the checkpoint's; supplies the "
+                        "tokenizer, or the whole spec for checkpoints saved without one")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export_hf)

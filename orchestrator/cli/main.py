@@ -212,7 +212,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = plan.add_parser("layout", help="best parallel layout for a model on a cluster")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--spec", help="job spec YAML/JSON")
-    src.add_argument("--model-preset", help="tiny, llama3-8b, llama3-70b, llama3-405b")
+    from tenax.orchestrator.presets import PRESETS
+
+    src.add_argument("--model-preset", help=", ".join(PRESETS))
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu-mem-gib", type=float, default=None, help="default: the --gpu's HBM, or 80")

@@ -115,9 +115,17 @@ def parse_submission(spec_json: str, overrides: list[str],
     if check_raw is not None:
         check_raw(raw)
     try:
-        return spec_from_dict(raw)
+        spec = spec_from_dict(raw)
     except RecursionError:
         raise SpecError("spec_json: nested too deeply") from None
+    if spec.model.init_from is not None:  # bad weights refuse the job, not fail its ranks
+        from tenax.workers.hf import HFLoadError, check_init_from
+
+        try:
+            check_init_from(spec)
+        except HFLoadError as err:
+            raise SpecError(str(err)) from None
+    return spec
 
 
 def spec_json_of(spec: JobSpec) -> str:

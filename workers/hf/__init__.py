@@ -3,6 +3,7 @@
 - `config`: HF config.json <-> the spec's `model` section (torch-free; the spec uses it).
 - `names`: Tenax parameter names <-> HF names, and the per-tensor layout change.
 - `safetensors_io`: safetensors headers read and written tensor by tensor (fsspec).
+- `source`: the checkpoint version an export reads, checked against a given `--spec`.
 - `export`: a committed checkpoint (any layout) -> an HF directory, one shard at a time.
 - `load`: `model.init_from` -> this rank's parameters, in any layout.
 
@@ -18,7 +19,8 @@ _MODULES = {
     "names": ("NameMapError", "hf_name", "hf_parts", "is_stacked_expert", "tenax_name"),
     "safetensors_io": ("SafetensorsError", "StreamingWriter", "read_index", "read_tensor"),
     "export": ("ExportError", "export_hf"),
-    "load": ("ExpertStack", "HFLoadError", "check_hf_weights", "load_hf_into"),
+    "load": ("ExpertStack", "HFLoadError", "check_hf_weights", "check_init_from",
+             "load_hf_into"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

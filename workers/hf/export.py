@@ -7,8 +7,9 @@ tensor's global shape is in the version's metadata, each safetensors shard's hea
 first and the tensors are then loaded and streamed into it a batch at a time (at most half a
 shard): a reader thread loads and casts batch k+1 while batch k is written, so the export holds
 about one shard (plus its largest tensor), never the model. The job spec comes from the
-manifest (saved with each version); older checkpoints need `spec` passed in. A stacked expert
-tensor is read whole like any other and written as its E per-expert HF tensors (names.hf_parts).
+manifest (saved with each version; source.py checks a given `spec` against it, and older
+checkpoints need one). A stacked expert tensor is read whole like any other and written as its
+E per-expert HF tensors (names.hf_parts).
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
-from tenax.checkpoint import Catalog, Storage, version_name
+from tenax.checkpoint import Storage
 from tenax.checkpoint.load import RawReader
 from tenax.workers.hf.config import (CONFIG_NAME, HFConfigError, dropless_note,
                                      hf_config_from_model)
-from tenax.workers.hf.names import hf_name, hf_parts, is_stacked_expert, layer_order
+from tenax.workers.hf.names import hf_name, hf_parts, is_stacked_expert
 from tenax.workers.hf.safetensors_io import INDEX_NAME, StreamingWriter, shard_name
+from tenax.workers.hf.source import ExportError, open_version
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,6 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 STALE_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
-
-
-class ExportError(ValueError):
-    """Why a checkpoint cannot be exported (names the checkpoint, the step or the key)."""
 
 
 class CachedReader(RawReader):
@@ -68,48 +66,6 @@ class ExportResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _manifest(catalog: Catalog, step: int | None) -> Any:
-    if step is None:
-        manifest = catalog.latest_committed(verify=False)
-        if manifest is None:
-            raise ExportError(f"no committed checkpoint under {catalog.storage.uri}")
-        return manifest
-    if step not in catalog.committed_steps():
-        raise ExportError(f"--step {step}: not a committed version under {catalog.storage.uri} "
-                          f"(committed: {catalog.committed_steps()})")
-    return catalog.manifest(step)
-
-
-def job_spec_of(manifest: Any, spec: dict[str, Any] | None, uri: str) -> dict[str, Any]:
-    """The job spec saved with the version, else the one given; a plain mapping."""
-    saved = manifest.extra.get("spec")
-    if saved is None and spec is None:
-        raise ExportError(f"checkpoint {uri} step {manifest.step} carries no job spec (saved "
-                          f"by an older Tenax): pass --spec JOB.yaml")
-    return dict(spec if spec is not None else saved)
-
-
-def model_section(job: dict[str, Any]) -> dict[str, Any]:
-    """The validated `model` section, without the weight-source keys (already used)."""
-    from tenax.workers.spec import SOURCE_KEYS, ModelSpec
-
-    raw = {k: v for k, v in dict(job.get("model") or {}).items() if k not in SOURCE_KEYS}
-    try:
-        return ModelSpec.model_validate(raw).model_dump(mode="json")
-    except ValueError as exc:
-        raise ExportError(f"the job spec's model section is invalid: {exc}") from None
-
-
-def expected_names(model: dict[str, Any]) -> list[str]:
-    """Canonical parameter names of the model, in HF file order (tied head counted once)."""
-    from tenax.parallel import Transformer
-    from tenax.workers.spec import ModelSpec
-
-    with torch.device("meta"):
-        built = Transformer(ModelSpec.model_validate(model).args())
-    return sorted((n for n, _ in built.named_parameters()), key=layer_order)
-
-
 def plan_shards(names: list[str], metadata: Metadata, dtype: torch.dtype,
                 shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Greedy split in file order: a shard closes before the tensor that would overflow it."""
@@ -124,15 +80,6 @@ def plan_shards(names: list[str], metadata: Metadata, dtype: torch.dtype,
         shards[-1].append((name, shape))
         used += size
     return shards
-
-
-def _check_names(names: list[str], metadata: Metadata, where: str) -> None:
-    stored = metadata.state_dict_metadata
-    missing = [n for n in names if not isinstance(stored.get(f"model.{n}"),
-                                                  TensorStorageMetadata)]
-    if missing:
-        raise ExportError(f"{where}: the checkpoint lacks {missing[:5]} (of {len(missing)}) that "
-                          f"the job's model section needs")
 
 
 def _batches(shard: list[tuple[str, tuple[int, ...]]], itemsize: int,
@@ -198,7 +145,58 @@ def copy_tokenizer(job: dict[str, Any], fs: Any, root: str) -> dict[str, int | N
             else posixpath.basename(source.rstrip("/"))
         with fs.open(posixpath.join(root, name), "wb") as handle:
             handle.write(read_bytes(source))
-    return {"eos_token_id": tokenizer.eos_id, "bos_token_id": getattr(tokenizer, "bos_id", None)}
+    ids = {"eos_token_id": tokenizer.eos_id, "bos_token_id": getattr(tokenizer, "bos_id", None)}
+    if getattr(tokenizer, "kind", "") == "hf":
+        ids.update(write_tokenizer_config(tokenizer, fs, root, job))
+    return ids
+
+
+def _read_json(fs: Any, path: str) -> dict[str, Any]:
+    """A JSON object file, or {} when absent or unreadable (as the tokenizer loader treats a
+    tokenizer_config.json it cannot read)."""
+    try:
+        with fs.open(path, "r") as handle:
+            doc = json.loads(handle.read())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring %s: %s", path, exc)
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or {"content": ...}."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def write_tokenizer_config(tokenizer: Any, fs: Any, root: str,
+                           job: dict[str, Any]) -> dict[str, int | None]:
+    """tokenizer_config.json naming the EOS the job trained with (tokenizer.json alone leaves
+    AutoTokenizer's eos_token None), merged into the one beside the job's tokenizer.json if
+    any (which may name the BOS); special_tokens_map.json, when copied, gets the same EOS.
+    The BOS id, when known."""
+    from fsspec.core import url_to_fs
+
+    vocab = tokenizer.model
+    eos = vocab.id_to_token(tokenizer.eos_id)
+    source_fs, source = url_to_fs(tokenizer.uri)
+    config = _read_json(source_fs, posixpath.join(posixpath.dirname(source),
+                                                  "tokenizer_config.json"))
+    path = posixpath.join(root, "tokenizer_config.json")
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config["eos_token"] = eos
+    seq_len = (job.get("model") or {}).get("seq_len")
+    if isinstance(seq_len, int):  # else transformers' "very large" default
+        config["model_max_length"] = seq_len
+    _write_json(fs, path, {k: v for k, v in config.items() if v is not None})
+    special = posixpath.join(root, "special_tokens_map.json")
+    if fs.exists(special):
+        _write_json(fs, special, {**_read_json(fs, special), "eos_token": eos})
+    bos = _token_text(config.get("bos_token"))
+    bos_id = vocab.token_to_id(bos) if bos is not None else None
+    return {"bos_token_id": int(bos_id)} if bos_id is not None else {}
 
 
 def _write_json(fs: Any, path: str, doc: dict[str, Any]) -> None:
@@ -291,51 +289,22 @@ def _write_shards(fs: Any, root: str, shards: list[list[tuple[str, tuple[int, ..
     return files
 
 
-@dataclass
-class Source:
-    """A committed version opened for export: its manifest, job spec, model and metadata."""
-    catalog: Catalog
-    manifest: Any
-    job: dict[str, Any]
-    model: dict[str, Any]
-    version: str
-    metadata: Metadata
-    names: list[str]  # canonical parameter names in HF file order
-
-
-def open_version(ckpt_uri: str, step: int | None, spec: dict[str, Any] | None,
-                 storage_options: dict[str, Any] | None) -> Source:
-    """The version to export, checked: a model whose every tensor the version holds."""
-    catalog = Catalog(Storage(ckpt_uri, storage_options=storage_options))
-    manifest = _manifest(catalog, step)
-    job = job_spec_of(manifest, spec, ckpt_uri)
-    model = model_section(job)
-    version = version_name(manifest.step)
-    metadata = RawReader(catalog.storage, version).read_metadata()
-    names = expected_names(model)
-    _check_names(names, metadata, catalog.storage.url(version))
-    return Source(catalog, manifest, job, model, version, metadata, names)
-
-
 def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bfloat16", *,
               shard_bytes: int = SHARD_BYTES, spec: dict[str, Any] | None = None,
               storage_options: dict[str, Any] | None = None, progress: Progress | None = None,
               batch_bytes: int = BATCH_BYTES) -> ExportResult:
     """Write version `step` (default: newest committed) of `ckpt_uri` as an HF Llama (or, with
     `model.moe`, Mixtral) directory."""
-    from fsspec.core import url_to_fs
-
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype: {dtype!r} must be one of {sorted(EXPORT_DTYPES)}")
     src = open_version(ckpt_uri, step, spec, storage_options)
     catalog, manifest, job, model = src.catalog, src.manifest, src.job, src.model
     version, metadata, names = src.version, src.metadata, src.names
-    extra = _note_dropless(model)
+    extra = note_dropless(model)
     target = EXPORT_DTYPES[dtype]
     shards = plan_shards(names, metadata, target, shard_bytes)
     total = sum(torch.Size(s).numel() for shard in shards for _, s in shard) * target.itemsize
-    fs, root = url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
+    fs, root = open_out(out)
     done = [0]
 
     def tick(n: int) -> None:
@@ -367,7 +336,24 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     return ExportResult(out, manifest.step, files, total, tensors, extra)
 
 
-def _note_dropless(model: dict[str, Any]) -> dict[str, Any]:
+def open_out(out: str) -> tuple[Any, str]:
+    """The filesystem and path of directory `out`, created if absent; ExportError naming
+    --out when it cannot be (a file there, no permission, an unknown protocol)."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, root = url_to_fs(out)
+        is_file = fs.exists(root) and not fs.isdir(root)
+        if not is_file:
+            fs.makedirs(root, exist_ok=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ExportError(f"--out: {out!r}: {exc}") from None
+    if is_file:
+        raise ExportError(f"--out: {out!r}: exists and is not a directory")
+    return fs, root
+
+
+def note_dropless(model: dict[str, Any]) -> dict[str, Any]:
     """Say, for an MoE model, when HF's dropless Mixtral may compute what Tenax did not: a
     warning where Tenax's capacity can drop assignments, else an info line. Also returned in
     ExportResult.extra (`dropless_note`, `drops_possible`)."""

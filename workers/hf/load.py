@@ -6,7 +6,9 @@ copied in place or, for a DTensor (TP, FSDP2), cut to this rank's shard by `dist
 with `src_data_rank=None` (no communication). A pipeline stage reads only its own layers. ZeRO-1/2
 shard views and FSDP2 shards see the in-place writes. Every tensor the whole model needs is
 checked (present, right shape, file not truncated) before any parameter is written, on every
-rank, so all ranks fail the same way and no job trains on half-loaded weights.
+rank, so all ranks fail the same way and no job trains on half-loaded weights. The same check
+runs before the job is placed (`check_init_from`: `tenax run`, a service submission), so bad
+weights refuse the job instead of failing its ranks.
 
 A stacked expert weight [E, d_in, d_out] is built from Mixtral's E per-expert Linear weights
 (each [d_out, d_in], transposed); under expert parallelism (a Shard(0) DTensor over the ep group)
@@ -72,6 +74,30 @@ def check_hf_weights(root: str, args: ModelArgs) -> dict[str, Located]:
                           + "; ".join(problems[:10])
                           + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
     return found
+
+
+def will_resume(checkpoint_uri: str) -> bool:
+    """Whether a job with this checkpoint.uri resumes (a committed version exists) and so
+    ignores `init_from`; False when the storage cannot be read (the weights are checked then)."""
+    from tenax.checkpoint import Catalog, CatalogError, Storage, StorageError
+
+    try:
+        return bool(Catalog(Storage(checkpoint_uri)).committed_steps())
+    except (CatalogError, StorageError, OSError, ValueError) as exc:
+        logger.info("cannot list %s (%s): checking model.init_from's weights", checkpoint_uri,
+                    exc)
+        return False
+
+
+def check_init_from(spec: Any) -> bool:
+    """Before any rank starts: `model.init_from`'s tensors fit the model (present, right
+    shape, files whole; headers only), unless the job resumes from its own checkpoint.
+    HFLoadError naming the tensor and the file; True when the weights were checked."""
+    source = spec.model.init_from
+    if source is None or will_resume(spec.checkpoint.uri):
+        return False
+    check_hf_weights(source, spec.model.args())
+    return True
 
 
 def _locate(entries: dict[str, TensorEntry], key: str, shape: tuple[int, ...], name: str,
