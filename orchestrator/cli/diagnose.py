@@ -53,9 +53,12 @@ def straggler_report(stacks: dict[int, str], evidence: dict[str, Any],
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from tenax.orchestrator.cli.preflight import at_least_one
+
     p = sub.add_parser("diagnose", help="name a hang's odd rank out, or what a "
                        "straggler does that a healthy rank does not")
     p.add_argument("location", help="a diagnostics directory (local path or fsspec URI)")
-    p.add_argument("--frames", type=int, default=3, help="top frames that make a place")
+    p.add_argument("--frames", type=at_least_one, default=3,
+                   help="top frames that make a place (at least 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_diagnose)

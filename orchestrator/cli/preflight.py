@@ -20,6 +20,18 @@ VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 HELD_FOR_THE_RUN: list[Any] = []
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its error), so a bad
+    value is refused before Ray or anything else starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def print_report(report: Any, console: Any) -> None:
     """The rows as a rich table, then the verdict."""
     from rich.table import Table
@@ -100,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preflight", help="smoke-test a job on its own placement and layout")
     p.add_argument("spec", nargs="?", help="job spec YAML/JSON (default: the embedded tiny job)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=at_least_one, default=None,
                    help="smoke steps (default: preflight.steps of the spec, else 20)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

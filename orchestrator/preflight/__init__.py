@@ -4,8 +4,9 @@
   on scratch checkpoints removed afterwards; a `Report` of `Row`s (data, memory, progress,
   throughput, links, recovery), each pass | warn | fail, and the `preflight` event.
 - The rows' rules (pure): `data_row`, `memory_plan_row`, `memory_row`, `progress_row`,
-  `throughput_row`, `links_row`, `recovery_row`, `overall`; `links_check(spec, layout)` runs
-  the links probes (workers/preflight_links.py) on the job's slots.
+  `throughput_row`, `links_row`, `recovery_row`, `memory_restore`, `overall`;
+  `links_check(spec, layout)` runs the links probes (workers/preflight_links.py) on the job's
+  slots; `recovery_check` runs the recovery row's jobs (another layout, an in-memory restore).
 
 Names resolve lazily (PEP 562): importing this package imports neither Ray nor torch.
 """
@@ -16,9 +17,10 @@ from tenax.faces import lazy_face
 _MODULES = {
     "smoke": ("DEFAULT_STEPS", "PreflightInterrupted", "Report", "preflight_steps",
               "run_preflight", "scratch_spec"),
-    "rows": ("Row", "memory_plan_row", "memory_row", "overall", "progress_row", "recovery_row",
-             "throughput_row"),
+    "rows": ("Row", "memory_plan_row", "memory_restore", "memory_row", "overall",
+             "progress_row", "recovery_row", "throughput_row"),
     "data": ("data_row", "scan_token_file"),
+    "recovery": ("other_layout", "recovery_check"),
     "links": ("GroupFigure", "group_figures", "link_tasks", "links_row", "planner_sizes"),
     "links_probe": ("links_check", "slow_factors"),
 }

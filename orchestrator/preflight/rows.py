@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,9 @@ CUDA_ESTIMATE_FACTOR = 1.25
 # Progress: a rank slower than this share of the median rank's throughput is a straggler.
 SLOW_RANK_SHARE = 0.5
 GIB = 2 ** 30
+# Recovery: the loss of a step trained from a loaded state vs the uninterrupted one (relative:
+# a resharded layout reduces in another order).
+LOSS_RTOL = 1e-5
 
 
 @dataclass
@@ -92,9 +95,15 @@ def loss_trend(losses: list[float]) -> tuple[float, float]:
     return sum(losses[:q]) / q, sum(losses[-q:]) / q
 
 
-def progress_row(losses: list[float], steps: int, ended: str, cause: str) -> Row:
-    """N steps without a hang or failure, and the loss falling (first vs last quarter)."""
+def progress_row(losses: list[float], steps: int, ended: str, cause: str,
+                 failures: Sequence[Mapping[str, Any]] = ()) -> Row:
+    """N steps without a hang or failure, and the loss falling (first vs last quarter).
+    `failures`: the scratch job's `failure` events; any one fails the row, naming its rank,
+    kind and (a hang) where its stacks are kept."""
     expected = f"{steps} steps, loss falling"
+    if failures:
+        return Row("progress", f"{len(losses)} of {steps} steps", expected, "fail",
+                   "; ".join(failure_words(f) for f in failures))
     if ended != "SUCCEEDED" or len(losses) < steps:
         return Row("progress", f"{len(losses)} of {steps} steps", expected, "fail",
                    f"the job ended {ended}" + (f": {cause}" if cause else ""))
@@ -106,6 +115,21 @@ def progress_row(losses: list[float], steps: int, ended: str, cause: str) -> Row
         return Row("progress", measured, expected, "warn",
                    "the loss did not fall (mean of the first vs the last quarter of the steps)")
     return Row("progress", measured, expected, "pass", "")
+
+
+def failure_words(event: Mapping[str, Any]) -> str:
+    """One `failure` event as the progress row names it: its ranks, kind, step and cause,
+    the rank its stacks single out (`odd`, when read) and where they are kept."""
+    ranks = list(event.get("ranks") or [event.get("rank", "?")])
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    kind = f" ({event['kind']})" if event.get("kind") else ""
+    text = (f"{who} failed{kind} at step {event.get('step', '?')}: "
+            f"{event.get('cause', 'no cause given')}")
+    if event.get("odd"):
+        text += f"; the stacks single out rank {', '.join(map(str, event['odd']))}"
+    if event.get("diagnostics"):
+        text += f"; stacks: tenax diagnose {event['diagnostics']}"
+    return text
 
 
 def slow_ranks(rank_tokens_per_s: dict[int, float]) -> list[int]:
@@ -143,19 +167,56 @@ def _on_nodes(ranks: list[int], nodes: list[str] | None) -> str:
     return f" on {', '.join(names)}" if names else ""
 
 
+def same_loss(got: float, want: float) -> bool:
+    """Equal within LOSS_RTOL relative (another layout sums in another order)."""
+    return abs(got - want) <= LOSS_RTOL * max(abs(want), 1e-12)
+
+
 def recovery_row(saved_step: int, problems: list[str], resumed_from: int | None,
-                 loss_resumed: float | None, loss_reference: float | None) -> Row:
-    """A checkpoint saved, verified by the catalog, and loaded: the step after it, trained
-    from the loaded state, has the loss the uninterrupted job had (1e-5)."""
-    expected = f"step {saved_step} verified, resumed, same loss at step {saved_step + 1}"
+                 loss_resumed: float | None, loss_reference: float | None,
+                 into: str = "") -> Row:
+    """A checkpoint saved, verified by the catalog, and loaded (`into`: the layout it was
+    loaded into and the one it was saved from): the step after it, trained from the loaded
+    state, has the loss the uninterrupted job had (LOSS_RTOL relative)."""
+    where = f" into {into}" if into else ""
+    expected = (f"step {saved_step} verified, resumed{where}, same loss at step "
+                f"{saved_step + 1}")
     if problems:
         return Row("recovery", f"step {saved_step} damaged", expected, "fail", problems[0])
     if resumed_from != saved_step or loss_resumed is None or loss_reference is None:
         return Row("recovery", f"resumed from {resumed_from}", expected, "fail",
                    f"the resumed job did not load step {saved_step} and train one step")
-    gap = abs(loss_resumed - loss_reference)
-    measured = f"loss {loss_resumed:.6g} vs {loss_reference:.6g} (|diff| {gap:.2g})"
-    if gap > 1e-5:
+    gap = abs(loss_resumed - loss_reference) / max(abs(loss_reference), 1e-12)
+    measured = f"loss {loss_resumed:.6g} vs {loss_reference:.6g} (rel diff {gap:.2g})"
+    if not same_loss(loss_resumed, loss_reference):
         return Row("recovery", measured, expected, "fail",
                    "the loaded state trains differently from the state it was saved from")
-    return Row("recovery", measured, expected, "pass", "")
+    return Row("recovery", measured, expected, "pass",
+               f"storage step {saved_step} loaded{where}" if into else "")
+
+
+def memory_restore(source: str | None, step: int | None, losses: Mapping[int, float],
+                   reference: Mapping[int, float], off: str = "") -> tuple[str, str]:
+    """(verdict, words) of the in-memory snapshot check: a rank killed mid-run, the job
+    resumed from the agents' snapshots (`source` "memory"), and every step it trained has the
+    loss the uninterrupted job had. `off`: why the job's snapshots were switched off."""
+    if off:
+        return "warn", f"in-memory snapshots were off ({off}): none restored"
+    if source != "memory":
+        return "fail", (f"the killed rank's job resumed from {source or 'no checkpoint'}, "
+                        f"not from an in-memory snapshot")
+    bad = [s for s in sorted(reference) if s not in losses
+           or not same_loss(losses[s], reference[s])]
+    if bad:
+        s = bad[0]
+        return "fail", (f"after the in-memory restore of step {step}, step {s} has loss "
+                        f"{losses.get(s, 'missing')} instead of {reference[s]:.6g}")
+    return "pass", (f"in-memory snapshot of step {step} restored after a kill, steps "
+                    f"{min(reference)}-{max(reference)} equal")
+
+
+def with_memory(row: Row, verdict: str, words: str) -> Row:
+    """The recovery row with the in-memory snapshot check's verdict and words added."""
+    worst = overall([row, Row(row.name, "", "", verdict)])
+    return Row(row.name, row.measured, f"{row.expected}; one in-memory snapshot restored",
+               worst, "; ".join(w for w in (row.detail, words) if w))

@@ -4,9 +4,11 @@
 planner's per-rank memory for the layout vs the budget, before any rank starts; then the job
 itself, on its own placement and layout, for `steps` steps with its checkpoints under
 `<checkpoint.uri>/preflight-<time>` (removed afterwards, so the real run starts at step 0 as
-if no preflight had run). The scratch job saves at steps-1 and steps; the catalog verifies
-steps-1, steps is deleted and the job runs again from steps-1: step `steps` must repeat its
-loss. Between the two, the links probes (links_probe.py) time each parallel dimension's
+if no preflight had run). The smoke job runs with max_restarts=0, so a hang or a dead rank
+ends it and fails the progress row (naming the rank, the kind and where a hang's stacks are
+kept: those stay under the scratch location's `diagnostics/`). It saves at steps-1 and steps;
+the recovery row (recovery.py) resumes steps-1 into another layout and restores one in-memory
+snapshot. Between the two, the links probes (links_probe.py) time each parallel dimension's
 collective on the slots the smoke job used. With `resources.exclude_slow_nodes` a node the
 rows single out is held from the job and everything runs once more (screening.py). The
 scratch jobs' own events stay here; only the `preflight` event is published.
@@ -14,15 +16,16 @@ scratch jobs' own events stay here; only the `preflight` event is published.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Sequence
 
 from tenax.orchestrator.preflight.data import data_row
+from tenax.orchestrator.preflight.recovery import recovery_check
 from tenax.orchestrator.preflight.rows import (Row, memory_plan_row, memory_row, overall,
-                                               progress_row, recovery_row, slow_ranks,
-                                               throughput_row)
+                                               progress_row, slow_ranks, throughput_row)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class Report:
     scratch_uri: str = ""
     slow_node: str = ""  # the Ray node the rows single out ("" none; see screening.py)
     slow_node_name: str = ""  # as the rows name it: "node K (id)"
+    kept: str = ""  # a hang's stacks under the scratch location, kept when it is removed
     cordon: Any = None  # exclude_slow_nodes: the hold that keeps the job off slow_node
 
     @property
@@ -90,13 +94,27 @@ class ScratchOptions:
 @dataclass
 class Watch:
     """What one scratch job did: rank 0's losses by step, and per rank its peak memory and
-    its throughput samples (every rank's step records, from the controller's polls)."""
+    its throughput samples (every rank's step records, from the controller's polls); the
+    controller's `failure` and `recovered` events, and why snapshots were off (if they were)."""
     losses: dict[int, float] = field(default_factory=dict)
     peaks: dict[int, int] = field(default_factory=dict)
     throughput: dict[int, list[float]] = field(default_factory=dict)
     resumed_from: int | None = None
     cuda: bool = False
     node_ids: list[str] = field(default_factory=list)  # per rank, of the newest placement
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    recovered: list[dict[str, Any]] = field(default_factory=list)
+    snapshots_off: str = ""
+
+    def on_event(self, doc: dict[str, Any]) -> None:
+        """The controller's events (a subscriber): failures, recoveries, snapshots off."""
+        kind = doc.get("event")
+        if kind == "failure":
+            self.failures.append(doc)
+        elif kind == "recovered":
+            self.recovered.append(doc)
+        elif kind == "snapshots_off":
+            self.snapshots_off = str(doc.get("reason", "")) or "no reason given"
 
     def observe(self, controller: Any, records: list[dict[str, Any]]) -> None:
         group = getattr(controller, "group", None)
@@ -131,7 +149,8 @@ def preflight_steps(spec: Any, steps: int | None) -> int:
 
 def scratch_spec(spec: Any, steps: int, uri: str) -> Any:
     """The job as it will run, for `steps` steps on scratch checkpoints saved at steps-1 and
-    steps, without the run's experiment tracking."""
+    steps, without the run's experiment tracking, and without restarts: a hang or a dead rank
+    must end the smoke job (and fail the progress row), not be recovered from."""
     from tenax.orchestrator.spec import spec_from_dict
 
     raw = spec.to_dict()
@@ -140,6 +159,7 @@ def scratch_spec(spec: Any, steps: int, uri: str) -> Any:
     ckpt.update(uri=uri, every_steps=max(1, steps - 1), keep_last=max(2, ckpt["keep_last"]),
                 keep_every=0)
     raw["logging"] = {"tensorboard_dir": None, "wandb": None}
+    raw["fault_tolerance"]["max_restarts"] = 0
     raw["preflight"] = None
     return spec_from_dict(raw)
 
@@ -179,7 +199,7 @@ def preflight_once(spec: Any, n: int, options: ScratchOptions) -> Report:
         try:
             _run_rows(scratch_spec(spec, n, uri), n, estimate, report, options)
         finally:
-            remove_tree(uri)
+            remove_tree(uri, keep=("diagnostics",) if report.kept else ())
             if not root_existed:  # leave the job's root as the preflight found it
                 remove_tree(root, only_if_empty=True)
     return report
@@ -211,13 +231,19 @@ def _run_rows(spec: Any, steps: int, estimate: Any, report: Report,
     losses = [watch.losses[s] for s in sorted(watch.losses)]
     report.rows.append(memory_row(watch.peaks, estimate.memory.total, estimate.budget_bytes,
                                   watch.cuda, layout_name(controller, estimate)))
-    report.rows.append(progress_row(losses, steps, controller.state.value, controller.cause))
+    failures = [{**f, "odd": odd_ranks(f["diagnostics"])} if f.get("diagnostics") else f
+                for f in watch.failures]
+    report.rows.append(progress_row(losses, steps, controller.state.value, controller.cause,
+                                    failures))
+    report.kept = next((f["diagnostics"] for f in watch.failures if f.get("diagnostics")), "")
     _node_rows(spec, watch, controller.layout or estimate.layout, estimate, report, options)
     if steps < 2:
         report.rows.append(Row("recovery", "not run", "--steps >= 2", "warn",
                                "one step leaves no earlier checkpoint to resume from"))
-    elif controller.state.value == "SUCCEEDED":
-        report.rows.append(_recovery(spec, steps, watch.losses.get(steps), options))
+    elif controller.state.value == "SUCCEEDED" and not watch.failures:
+        ran = controller.layout or estimate.layout
+        report.rows.append(recovery_check(spec, steps, watch.losses, ran,
+                                          functools.partial(run_with, options)))
     else:
         report.rows.append(Row("recovery", "not run", f"step {steps - 1} resumed", "warn",
                                "the smoke run did not finish (see progress)"))
@@ -241,6 +267,18 @@ def _node_rows(spec: Any, watch: Watch, layout: Any, estimate: Any, report: Repo
         report.slow_node_name = names[watch.node_ids.index(report.slow_node)]
 
 
+def odd_ranks(location: str) -> list[int]:
+    """The ranks a hang's stacks single out (`tenax diagnose`); [] when they cannot be read
+    (the row still names where they are)."""
+    from tenax.workers import diagnose, read_stacks
+
+    try:
+        return list(diagnose(read_stacks(location)).odd)
+    except (OSError, ValueError) as err:
+        logger.warning("could not read the stacks at %s: %s", location, err)
+        return []
+
+
 def layout_name(controller: Any, estimate: Any) -> str:
     """The layout the job ran, saying so when the planner's figure is for another one (the
     controller steps down to fewer GPUs when not all of them are there)."""
@@ -248,6 +286,12 @@ def layout_name(controller: Any, estimate: Any) -> str:
     if ran.to_dict() != estimate.layout.to_dict():
         return f"{ran.describe()} (the planner's figure is for {estimate.layout.describe()})"
     return ran.describe()
+
+
+def run_with(options: ScratchOptions, spec: Any, faults: tuple[Any, ...] | None) -> Watch:
+    """`run_scratch` with `faults` in place of the drill's (None: the drill's)."""
+    chaos = options.chaos if faults is None else faults
+    return run_scratch(spec, replace(options, chaos=chaos))[0]
 
 
 def run_scratch(spec: Any, options: ScratchOptions = ScratchOptions()) -> tuple[Watch, Any]:
@@ -259,6 +303,7 @@ def run_scratch(spec: Any, options: ScratchOptions = ScratchOptions()) -> tuple[
                                                     capacity_limit=options.capacity_limit,
                                                     forkserver=options.forkserver))
     controller.add_observer(watch.observe)
+    controller.subscribe(watch.on_event)
     guard = options.guard
     with guard(controller) if guard is not None else contextlib.nullcontext():
         controller.run()
@@ -270,20 +315,6 @@ def run_scratch(spec: Any, options: ScratchOptions = ScratchOptions()) -> tuple[
     return watch, controller
 
 
-def _recovery(spec: Any, steps: int, reference: float | None, options: ScratchOptions) -> Row:
-    """Verify step steps-1, delete step `steps`, resume from steps-1 and train step `steps`."""
-    from tenax.checkpoint import Catalog, Storage
-
-    saved = steps - 1
-    catalog = Catalog(Storage(spec.checkpoint.uri))
-    problems = catalog.verify(saved)
-    if problems:
-        return recovery_row(saved, problems, None, None, reference)
-    catalog.delete(steps)
-    watch, _ = run_scratch(spec, options)
-    return recovery_row(saved, [], watch.resumed_from, watch.losses.get(steps), reference)
-
-
 def exists(uri: str) -> bool:
     import fsspec
 
@@ -291,13 +322,20 @@ def exists(uri: str) -> bool:
     return bool(fs.exists(path))
 
 
-def remove_tree(uri: str, only_if_empty: bool = False) -> None:
-    """Delete the scratch checkpoints; a failure is logged (the run itself is unaffected)."""
+def remove_tree(uri: str, only_if_empty: bool = False, keep: Sequence[str] = ()) -> None:
+    """Delete the scratch checkpoints, but for the children named in `keep` (a hang's
+    stacks); a failure is logged (the run itself is unaffected)."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(uri)
     try:
-        if fs.exists(path) and not (only_if_empty and fs.ls(path)):
+        if not fs.exists(path) or (only_if_empty and fs.ls(path)):
+            return
+        if not keep:
             fs.rm(path, recursive=True)
+            return
+        for child in fs.ls(path, detail=False):
+            if child.rstrip("/").rsplit("/", 1)[-1] not in keep:
+                fs.rm(child, recursive=True)
     except OSError as err:
         logger.warning("could not remove the preflight checkpoints at %s: %s", uri, err)
