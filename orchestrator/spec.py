@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointSpec", "DataSpec", "Degree", "FaultToleranceSpec", "JobSpec", "ModelSpec",
            "MoESpec", "ParallelSpec", "ResourcesSpec", "SpecError", "TrainSpec", "apply_overrides",
            "cross_field_problems", "format_validation_error", "layout_from_spec", "load_spec",
-           "parse_spec_text", "plan_for_spec", "spec_from_dict"]
+           "parse_spec_text", "plan_for_spec", "spec_for_ranks", "spec_from_dict"]
 
 
 def plan_for_spec(spec: JobSpec, gpus: int, gpus_per_node: int, gpu_mem_gib: float | None = None,
@@ -32,3 +32,12 @@ def plan_for_spec(spec: JobSpec, gpus: int, gpus_per_node: int, gpu_mem_gib: flo
     mem = gpu_mem_gib or slot_memory_gib(spec.resources.device, gpus_per_node)
     return plan_pinned(spec.model.args(), spec.parallel.model_dump(), spec.train.global_batch_size,
                        spec.train.dtype, Cluster(gpus, gpus_per_node, mem, **options), pin_zero)
+
+
+def spec_for_ranks(spec: JobSpec, recompute: str) -> dict[str, Any]:
+    """The spec handed to the ranks: `spec` with `parallel.recompute` the level the plan chose
+    and printed for their layout, so that no rank resolves `auto` again with other memory than
+    the plan's (an 80 GiB assumption against an H200 or a 24 GiB card)."""
+    raw = spec.to_dict()
+    raw["parallel"] = {**raw["parallel"], "recompute": recompute}
+    return raw

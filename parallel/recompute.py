@@ -18,9 +18,14 @@ model, so checkpoints and the init-by-name are identical whatever the level. `pa
 applies recompute after TP, CP and EP and before FSDP2, so checkpointing runs inside the FSDP
 unit (the unit's hooks gather the block's weights once; the recompute reuses them).
 
-`auto` is resolved by the planner's own rule for the layout at hand (`resolve_recompute`):
-the lightest level whose estimated memory fits the device (the planner's search picks the same
-level for the layout it prints, given the same memory).
+Which level runs: the controller's plan chooses and prints one (`auto`: the planner's rule,
+with the planner's memory per GPU) and hands the ranks that level, never `auto`; the engine
+runs it as handed. Since the plan may assume other GPUs than those the ranks find (80 GiB when
+it is not told), each rank also resolves `auto` with its own memory and, where that would choose
+another level, warns naming both, without switching. Only a path with no plan (`python -m
+tenax.workers.launch`) hands the engine `auto`, resolved by the same rule (`resolve_recompute`)
+with this rank's memory: the GPU's own, a CPU slot's share of the host's RAM, or for any other
+device the planner's assumption.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tenax.parallel.config import ModelArgs
+from tenax.parallel.errors import PlanError
 from tenax.parallel.layout import ParallelLayout
 from tenax.parallel.model import Attention
 
@@ -131,12 +137,13 @@ def _storage_key(t: torch.Tensor) -> tuple[int, str]:
 
 # ---- auto ------------------------------------------------------------------------------------
 def device_mem_gib(device: torch.device, ranks_per_node: int) -> float:
-    """Memory one rank may plan with: the GPU's own, or its share of the host's RAM."""
+    """Memory one rank may plan with: the GPU's own, a CPU slot's share of the host's RAM, or
+    where neither is known the planner's assumption (`hardware.slot_memory_gib`)."""
     from tenax.parallel.hardware import slot_memory_gib
 
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2 ** 30
-    return slot_memory_gib("cpu", ranks_per_node)
+    return slot_memory_gib(device.type, ranks_per_node)
 
 
 def resolve_recompute(requested: str, model: ModelArgs, layout: ParallelLayout,
@@ -164,12 +171,31 @@ def resolve_recompute(requested: str, model: ModelArgs, layout: ParallelLayout,
 def engine_recompute(requested: str, model: ModelArgs, layout: ParallelLayout,
                      global_batch_size: int, dtype: str, device: torch.device,
                      ranks_per_node: int) -> str:
-    """The level a rank trains with (`resolve_recompute` with this rank's memory), logged."""
+    """The level a rank trains with, logged. A named level (the one the controller's plan chose,
+    or the spec's) is kept; when this rank's own `auto` estimate with its real memory would
+    choose another, a warning names both. `auto` (no plan) resolves with this rank's memory."""
+    if requested not in CHOICES:
+        raise ValueError(f"parallel.recompute: {requested!r} must be one of {CHOICES}")
     mem = device_mem_gib(device, env_ranks_per_node(ranks_per_node))
-    level, why = resolve_recompute(requested, model, layout, global_batch_size, dtype, mem)
-    log = logger.warning if "nothing fits" in why else logger.info
-    log("parallel.recompute=%s -> %s: %s", requested, level, why)
-    return level
+    try:
+        own, why = resolve_recompute("auto", model, layout, global_batch_size, dtype, mem)
+    except PlanError as err:  # a named level runs anyway; only the comparison is lost
+        if requested == "auto":
+            raise
+        logger.info("parallel.recompute=%s as handed (no estimate to compare: %s)", requested, err)
+        return requested
+    if requested == "auto":
+        log = logger.warning if "nothing fits" in why else logger.info
+        log("parallel.recompute=auto -> %s: %s", own, why)
+        return own
+    if own != requested:
+        logger.warning("parallel.recompute=%s runs as handed (the plan's level, or the spec's); "
+                       "this rank's own estimate with %.3g GiB would choose %s: %s",
+                       requested, mem, own, why)
+    else:
+        logger.info("parallel.recompute=%s as handed; this rank's own estimate agrees: %s",
+                    requested, why)
+    return requested
 
 
 def env_ranks_per_node(default: int) -> int:

@@ -102,6 +102,86 @@ def test_auto_takes_the_planner_choice_and_says_why(caplog: pytest.LogCaptureFix
     assert "parallel.recompute=auto -> none" in caplog.text
 
 
+# ---- the plan's level is the one the ranks run -------------------------------------------------
+class StartRecorder:
+    """A WorkerGroup stand-in for Placer: records the spec each start hands the ranks."""
+    started: list[dict] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.ranks: list = []
+        self.blocks: list = []
+
+    def create(self, layout: ParallelLayout, timeout_s: float) -> dict:
+        return {"reused": 0, "created": layout.world_size}
+
+    def start(self, spec: dict, *args: object) -> tuple[str, int]:
+        StartRecorder.started.append(spec)
+        return "127.0.0.1", 0
+
+
+def test_ranks_run_the_level_the_plan_printed(monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """llama3-8b on 8 GPUs pinned to tp8: planned with the assumed 80 GiB, `none` fits; a 24 GiB
+    card's own estimate says `full`. The ranks get `none` (what the plan printed), and a rank
+    with 24 GiB keeps it and warns naming both."""
+    from tenax.orchestrator.job.job_policy import ScalingPolicy
+    from tenax.orchestrator.placement import placer as placer_module
+    from tenax.orchestrator.placement.capacity import Capacity
+    from tenax.orchestrator.presets import PRESETS
+    from tenax.orchestrator.spec import JobSpec, plan_for_spec, spec_from_dict
+    from tenax.parallel import engine_recompute
+    from tenax.parallel import recompute as recompute_module
+
+    spec = JobSpec.model_validate({
+        "model": PRESETS["llama3-8b"], "parallel": {"tp": 8, "dp": 1, "micro_batch_size": 1},
+        "resources": {"gpus_per_node": 8, "device": "cuda"},
+        "train": {"global_batch_size": 64, "dtype": "bfloat16"},
+        "checkpoint": {"memory_every_steps": 0}})
+    decision = ScalingPolicy().make_decision(spec, Capacity(1), 1)
+    reference = plan_for_spec(spec, 8, 8, pin_zero=True).best  # the planner on its own
+    assert decision.layout == reference.layout and decision.layout.tp == 8
+    assert decision.recompute == reference.recompute == "none"
+    assert "recompute=none" in decision.reason  # the level the controller prints
+    model, layout = spec.model.args(), decision.layout
+    assert resolve_recompute("auto", model, layout, 64, "bfloat16", 24.0)[0] == "full"
+
+    monkeypatch.setattr(placer_module, "WorkerGroup", StartRecorder)
+    StartRecorder.started.clear()
+    placer_module.Placer("job", spec, 1.0).place(None, layout, None, decision.recompute)
+    (handed,) = StartRecorder.started
+    assert handed["parallel"]["recompute"] == "none"
+    assert spec.parallel.recompute == "auto"  # the job's own spec still plans every placement
+
+    monkeypatch.setattr(recompute_module, "device_mem_gib", lambda device, ranks: 24.0)
+    rank_spec = spec_from_dict(handed)
+    with caplog.at_level(logging.INFO, logger="tenax.parallel.recompute"):
+        level = engine_recompute(rank_spec.parallel.recompute, model, layout, 64, "bfloat16",
+                                 torch.device("cpu"), 8)
+    assert level == "none"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "recompute=none" in warned[0], warned
+    assert "24 GiB would choose full" in warned[0], warned
+
+
+def test_engine_without_a_plan_resolves_auto_with_its_own_memory(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from tenax.parallel import engine_recompute
+    from tenax.parallel import recompute as recompute_module
+    from tenax.parallel.hardware import slot_memory_gib
+
+    layout = ParallelLayout(micro_batch_size=2)
+    # A device whose memory the engine cannot read plans like the planner: 80 GiB per slot.
+    assert recompute_module.device_mem_gib(torch.device("meta"), 2) == slot_memory_gib("cuda", 2)
+    monkeypatch.setattr(recompute_module, "device_mem_gib", lambda device, ranks: 0.01)
+    with caplog.at_level(logging.INFO, logger="tenax.parallel.recompute"):
+        level = engine_recompute("auto", BIGGER, layout, 2, "float32", torch.device("cpu"), 2)
+        named = engine_recompute("full", BIGGER, layout, 2, "float32", torch.device("cpu"), 2)
+    assert (level, named) == ("full", "full")
+    assert not [r for r in caplog.records if "would choose" in r.getMessage()]
+    with pytest.raises(ValueError, match="parallel.recompute: 'most'"):
+        engine_recompute("most", BIGGER, layout, 2, "float32", torch.device("cpu"), 2)
+
+
 # ---- the engine, through the trainer -----------------------------------------------------------
 FOUR_LAYERS = ["train.lr=0.5", "model.n_layers=4"]
 
