@@ -1,6 +1,6 @@
 """Recovery benchmark: how fast a failure is detected and how fast training resumes.
 
-    python -m bench.recovery_bench [--quick] [--json PATH]
+    python -m bench.recovery_bench [--quick] [--hang] [--json PATH]
 
 Why these ratios. Detection latency only means something relative to the timeout the user set
 (`fault_tolerance.heartbeat_timeout_s`): a killed rank process should be seen long before it
@@ -20,6 +20,12 @@ Cases, one after the other in one invocation:
 - lost node (crash): the same, with SIGKILL and `Cluster.remove_node`: a crashed host whose
   kernel resets its connections, so the surviving ranks' collectives fail at once.
 The cold start of each case is that case's own job, from controller start to its first step.
+
+`--hang` runs one other case alone: local Ray, 1 node x 4 slots, `hang rank=1 at=S` (the rank's
+training process stops stepping, alive), `hang_timeout_s` 6 s. It measures the hang evidence
+the controller gathers before killing anything (every rank's stacks, orchestrator/job/
+diagnostics.py): its seconds (the failure's `diagnostics_s`; goal <= 2 s for 4 ranks), that
+share of hang -> recovered, and whether the failure names rank 1 (the stacks single it out).
 
 In-memory snapshots are on (`checkpoint.memory_every_steps=1`, the default; storage checkpoints
 every 5 steps), so every resume should come from `memory` (the surviving agents' own
@@ -102,6 +108,44 @@ def kill_rank_case(root: str, quick: bool) -> dict[str, Any]:
             "heartbeat_interval_s": spec.fault_tolerance.heartbeat_interval_s,
             "restarts": job.controller.restarts, "faults": faults,
             "shm_left": snapshot_leftovers(job.controller.job_id)}
+
+
+HANG_RANK = 1
+
+
+def hang_case(root: str, quick: bool) -> dict[str, Any]:
+    steps, at = (12, 6) if quick else (30, 12)
+    chaos = f"hang rank={HANG_RANK} at={at}"
+    with local_ray(gpus=4):
+        spec = make_spec(root, [f"train.steps={steps}", "resources.nodes=1",
+                                "resources.gpus_per_node=4", "fault_tolerance.hang_timeout_s=6"],
+                         "recovery-hang")
+        job = JobRun(spec, chaos).run(TIMEOUT_S)
+        fired = list(job.fired().values())
+    failure = (job.of("failure") or [{}])[0]
+    recovered = next((e for e in job.of("recovered") if e["t"] >= failure.get("t", 0)), None)
+    tf = min(fired) if fired else None
+    return {"case": "hang", "state": job.state, "chaos": chaos, "steps": steps,
+            "hang_timeout_s": spec.fault_tolerance.hang_timeout_s, "fault_t": tf,
+            "failure": failure, "diagnostics_s": failure.get("diagnostics_s"),
+            "failure_s": failure["t"] - tf if failure and tf else None,
+            "recovered_s": recovered["t"] - tf if recovered and tf else None,
+            "shm_left": snapshot_leftovers(job.controller.job_id)}
+
+
+def add_hang_rows(report: Report, case: dict[str, Any]) -> None:
+    evidence, recovered = case["diagnostics_s"], case["recovered_s"]
+    report.add("hang: evidence (stacks of 4 ranks)", evidence, "<= 2", unit="s",
+               note=f"the failure's diagnostics_s; job {case['state']}")
+    report.add("hang: evidence ÷ (hang → recovered)", ratio(evidence, recovered),
+               note=f"{evidence or 0:.2f} s of {recovered or 0:.2f} s")
+    failure_s = case["failure_s"]
+    detect = failure_s - evidence if failure_s is not None and evidence is not None else None
+    report.add("hang: detection ÷ hang timeout", ratio(detect, case["hang_timeout_s"]),
+               note=f"{detect or 0:.2f} s vs {case['hang_timeout_s']:.1f} s (context)")
+    named = case["failure"].get("rank")
+    report.add("hang: the failure names the hung rank", float(named == HANG_RANK), ">= 1",
+               note=f"rank {named}: {str(case['failure'].get('cause'))[:160]}")
 
 
 def _node_processes(node: Any) -> list[Any]:
@@ -221,8 +265,21 @@ def add_cold_start_rows(report: Report, since_launch: dict[str, float]) -> None:
         report.add(f"kill rank: cold start, {phase}", seconds, unit="s", note="context")
 
 
+def hang_main(quick: bool, json_path: str | None) -> int:
+    report = Report("Recovery: hang evidence, measured beside the recovery it delays")
+    with tempfile.TemporaryDirectory(prefix="tenax-recovery-") as root:
+        case = hang_case(root, quick)
+    add_hang_rows(report, case)
+    report.context = {"quick": quick, "cases": [case]}
+    report.finish(json_path)
+    return 0 if case["state"] == "SUCCEEDED" else 1
+
+
 def main() -> int:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, lambda parser: parser.add_argument(
+        "--hang", action="store_true", help="only the hang case: its evidence's cost"))
+    if args.hang:
+        return hang_main(args.quick, args.json_path)
     report = Report("Recovery: detection and resume, measured side by side")
     decisions = Decisions()
     source_log = logging.getLogger("tenax.orchestrator.placement.recovery")

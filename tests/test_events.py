@@ -22,6 +22,8 @@ EXAMPLES = {
                   "source": "memory"},
     "snapshot": {"step": 20, "bytes": 1024, "seconds": 0.01, "generation": 1},
     "snapshots_off": {"reason": "checkpoint.memory_every_steps=1: 3 GiB per node exceeds 0.5 x 4 GiB"},
+    "tracking_off": {"backend": "tensorboard", "reason": "open failed: OSError: read-only",
+                     "step": 0},
     "checkpoint": {"step": 20, "blocked_s": 0.01, "total_s": 0.4},
     "eval": {"step": 100, "loss": 3.25, "tokens": 40960, "seconds": 0.8},
     "checkpoint_failed": {"step": 20, "cause": "OSError: disk full"},
@@ -45,6 +47,11 @@ EXAMPLES = {
     "shrunk": {"reason": "a priority 5 job needs 2 nodes"},
     "grown": {"reason": "2 nodes free again"},
     "preempted": {"reason": "stopped at a checkpoint for a priority 9 job"},
+    "preflight": {"verdict": "warn", "rows": [
+        {"name": "data", "measured": "4 batches", "expected": "ids in [0, 64)",
+         "verdict": "pass", "detail": "40 samples"},
+        {"name": "links", "measured": "dp 0.4x", "expected": "median group",
+         "verdict": "warn", "detail": "slow links on node 1"}]},
 }
 SENTENCE = re.compile(r"^[A-Z][^{}\n]*\.$")
 

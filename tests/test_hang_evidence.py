@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 
+from tenax.orchestrator.job.diagnostics import named_by_stacks, odd_rank
+from tenax.orchestrator.job.job_policy import FailurePolicy, JobDecision, JobSnapshot, Limits
+from tenax.orchestrator.placement.worker_group import RankHealth
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.testing.jobs import run_cli
+from tenax.workers import human
 from tenax.workers.diagnostics import (arm_stack_dump, diagnose, dump_stacks, forget_stacks,
                                        parse_stacks, read_stacks, training_thread)
 
@@ -94,6 +99,54 @@ def test_diagnose_without_an_odd_one():
     assert diagnose({0: stack(*HUNG), 1: stack(*IN_ALL_REDUCE), 2: stack("a:1:f")}).odd == []
 
 
+def hang_decision(*ranks: int) -> JobDecision:
+    """The failure policy's decision when every rank in `ranks` stopped stepping."""
+    limits = Limits(3, 4, timeouts=Timeouts(hang_timeout_s=6.0))
+    health = tuple(RankHealth(r, "n0", None, 0.1, "training", 5, 7.5, None) for r in ranks)
+    return FailurePolicy().make_decision(JobSnapshot(health, 0, limits))
+
+
+def test_the_policy_names_every_stalled_rank_and_the_stacks_name_the_hung_one():
+    decision = hang_decision(0, 1, 2, 3)
+    assert decision.failed_ranks == (0, 1, 2, 3) and decision.cause_kind == "hang"
+    assert decision.reason.startswith("ranks 0, 1, 2, 3 hung: step did not advance for 7.5 s")
+    stacks = {r: stack(*(HUNG if r == 1 else IN_ALL_REDUCE)) for r in range(4)}
+    named = named_by_stacks(decision, stacks)
+    assert named.failed_ranks == (1, 0, 2, 3)
+    assert named.reason == ("rank 1 hung in before_step (chaos_injector.py:97) while ranks 0, 2, "
+                            "3 wait in all_reduce (distributed_c10d.py:2800); step did not "
+                            "advance for 7.5 s (limit 6 s from hang_timeout_s=6.0)")
+    event = {"event": "failure", "step": 5, "rank": named.failed_ranks[0], "cause": named.reason,
+             "kind": "hang", "diagnostics": "file:///ck/diagnostics/T-hang", "diagnostics_s": 0.4}
+    text = human(event)
+    assert text.startswith("At step 5 rank 1 failed (hang): rank 1 hung in before_step")
+    assert text.endswith("; stacks: tenax diagnose file:///ck/diagnostics/T-hang.")
+    two = named_by_stacks(hang_decision(0, 1), {0: stack(*HUNG), 1: stack(*IN_ALL_REDUCE)})
+    assert two.failed_ranks == (0, 1) and "while rank 1 waits in all_reduce" in two.reason
+
+
+def test_ranks_that_stalled_with_the_first_to_cross_the_limit_are_named_too():
+    limits = Limits(3, 4, timeouts=Timeouts(hang_timeout_s=6.0))
+    ages = {0: 6.4, 1: 5.9, 2: 0.3}  # 1 stalled with 0, its last reply a poll later; 2 steps
+    health = tuple(RankHealth(r, "n0", None, 0.1, "training", 5, age, None)
+                   for r, age in ages.items())
+    decision = FailurePolicy().make_decision(JobSnapshot(health, 0, limits))
+    assert decision.failed_ranks == (0,)  # only a rank past the limit failed
+    assert decision.reason.startswith("ranks 0, 1 hung: step did not advance for 6.4 s")
+    alone = FailurePolicy().make_decision(JobSnapshot(health[:1] + health[2:], 0, limits))
+    assert alone.reason.startswith("rank 0 hung: step did not advance")
+
+
+def test_stacks_that_single_out_no_rank_leave_the_decision_alone():
+    decision = hang_decision(0, 1, 2)
+    assert named_by_stacks(decision, {}) == decision
+    same = {r: stack(*IN_ALL_REDUCE) for r in range(3)}
+    assert named_by_stacks(decision, same) == decision
+    no_answer = {0: stack(*IN_ALL_REDUCE), 1: stack(*IN_ALL_REDUCE), 2: "(no stacks: gone)\n"}
+    assert named_by_stacks(decision, no_answer) == decision  # a missing stack is no evidence
+    assert odd_rank(diagnose(no_answer)) is None
+
+
 @pytest.mark.slow  # two `tenax` processes
 def test_the_cli_reads_a_diagnostics_directory(tmp_path):
     where = tmp_path / "diagnostics" / "20260101T000000Z-hang"
@@ -123,7 +176,13 @@ def test_a_hang_drill_keeps_every_ranks_stacks_and_names_the_hung_rank(tmp_path)
     assert job.state == "SUCCEEDED"
     failure = job.of("failure")[0]
     assert failure["kind"] == "hang"  # which rank is not known from heartbeats: all stopped
+    assert failure["rank"] == 1 and failure["ranks"][0] == 1  # the stacks know it
+    text = human(failure)
+    assert text.startswith(f"At step {failure['step']} rank 1 failed (hang): rank 1 hung in ")
+    assert "while rank 0 waits in " in text and "hang_timeout_s=6" in text
+    assert 0 < failure["diagnostics_s"] < 30
     location = failure["diagnostics"]
+    assert text.endswith(f"; stacks: tenax diagnose {location}.")
     assert location.startswith(spec.checkpoint.uri.rstrip("/") + "/diagnostics/")
     assert location.endswith("-hang")
     stacks = read_stacks(location)

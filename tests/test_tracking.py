@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tenax.workers.tracking import (TensorBoardWriter, Tracker, scalars_of, tfrecord,
-                                    wandb_run_id)
+from tenax.workers.tracking import (TensorBoardWriter, Tracker, TrackingStart, scalars_of,
+                                    tee_hooks, texts_of, tfrecord, wandb_run_id)
 from tenax.workers.tracking.tracker import CLOSE_TIMEOUT_S, ERROR_CLOSE_S
 from tests.tracking_readers import tensorboard_scalars, tensorboard_texts
 
@@ -211,6 +211,109 @@ def test_unwritable_tensorboard_dir_warns_once(tmp_path, caplog):
     assert stats.failed == ["tensorboard"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "tensorboard switched off" in warnings[0]
+
+
+def wait_until(predicate: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def teed_rank_hooks(tracker: Tracker) -> tuple[Any, list[tuple[dict, threading.Thread]]]:
+    """Rank hooks (as the training process has them) teed into `tracker`; what they emitted,
+    with the thread each record was emitted on."""
+    from tenax.workers.rank import RankHooks
+
+    seen: list[tuple[dict, threading.Thread]] = []
+    hooks = RankHooks(on_step=lambda record: seen.append((record, threading.current_thread())))
+    return tee_hooks(hooks, tracker), seen
+
+
+def test_a_backend_switched_off_is_one_event_on_the_training_thread():
+    broken, healthy = Recorder(fail_on="scalars"), Recorder()
+    tracker = Tracker([broken, healthy], 0, SPEC)
+    hooks, seen = teed_rank_hooks(tracker)
+    hooks.progress(step_record(1, 1.0))
+    assert wait_until(lambda: tracker.stats.failed)  # the writer thread switched it off
+    for step in (2, 3):
+        hooks.progress(step_record(step, 1.0))  # the next record out takes the notice along
+    tracker.close()
+    offs = [record for record, _ in seen if record["event"] == "tracking_off"]
+    assert len(offs) == 1, offs
+    assert {k: offs[0][k] for k in ("backend", "reason", "step", "rank")} == {
+        "backend": "recorder", "reason": "scalars failed: OSError: scalars refused", "step": 1,
+        "rank": 0}
+    assert {thread for _, thread in seen} == {threading.current_thread()}
+    assert [record["step"] for record, _ in seen if record["event"] == "step"] == [1, 2, 3]
+    # The backends still on note it where users look: a text entry at that step.
+    assert [a[:2] for m, a in healthy.calls if m == "text"] == [(1, "notices")]
+    assert texts_of(offs[0])["notices"].startswith("Tracking to recorder is off from step 1")
+
+
+def test_a_backend_failing_as_the_job_ends_is_told_by_the_close():
+    tracker = Tracker([Recorder(fail_on="close")], 4, SPEC)
+    hooks, seen = teed_rank_hooks(tracker)
+    hooks.progress(step_record(5, 1.0))
+    tracker.close()  # the rank closes it on the training thread, after its last events
+    offs = [record for record, _ in seen if record["event"] == "tracking_off"]
+    assert [(o["reason"], o["step"]) for o in offs] == [("close failed: OSError: close refused",
+                                                         5)]
+    assert {thread for _, thread in seen} == {threading.current_thread()}
+
+
+def test_the_controller_relays_tracking_off_and_the_console_prints_it():
+    import io
+
+    from rich.console import Console
+
+    from tenax.orchestrator.cli.runner import EventSink
+    from tenax.orchestrator.job.progress import JobProgress
+    from tenax.workers.events import human
+
+    off = {"event": "tracking_off", "backend": "wandb", "reason": "open failed: x", "step": 0,
+           "rank": 0, "time": 5.0}
+    progress = JobProgress("j")
+    notices = list(progress.absorb([off], None, SimpleNamespace(stopped=False, old=None),
+                                   SimpleNamespace(failed_at=None)))
+    assert [(n.event, n.fields) for n in notices] == [
+        ("tracking_off", {"backend": "wandb", "reason": "open failed: x", "step": 0,
+                          "time": 5.0})]
+    out = io.StringIO()
+    EventSink(None, Console(file=out, width=200), None, None, 10)(off)
+    assert human(off) in out.getvalue()
+    assert human(off) == ("Tracking to wandb is off from step 0 and training goes on: "
+                          "open failed: x.")
+
+
+def test_a_restart_tells_wandb_the_controllers_totals():
+    # resumed at step 10 after steps up to 12 ran: 2 more lost, as the controller will count
+    start = TrackingStart("r", restarts=2, lost_steps=3, reached_step=12)
+    assert start.figures(10) == {"job/restarts": 2.0, "job/lost_steps": 5.0}
+    assert TrackingStart("r", reached_step=12).figures(12) == {}  # a first start: nothing
+    assert TrackingStart("r", restarts=1, reached_step=12).figures(15) == {
+        "job/restarts": 1.0, "job/lost_steps": 0.0}
+
+
+def test_wandb_gets_the_restart_totals_in_the_attempts_first_row(monkeypatch):
+    import sys
+
+    from tenax.workers.tracking import open_tracker
+
+    logged, inits = [], []
+    run = SimpleNamespace(log=lambda row, step: logged.append((step, dict(row))),
+                          finish=lambda: None)
+    fake = SimpleNamespace(Settings=lambda **kw: kw, init=lambda **kw: inits.append(kw) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)  # the calls, not a W&B run directory
+    spec = {**SPEC, "logging": {"wandb": {"mode": "offline"}}}
+    tracker = open_tracker(spec, TrackingStart("run-1", 1, 0, 12), rank=0, first_step=10)
+    tracker.submit(step_record(11, 3.0))
+    assert tracker.close().failed == []
+    assert [kw["id"] for kw in inits] == ["run-1"]
+    assert logged[0][0] == 11 and logged[0][1]["train/loss"] == 3.0
+    assert (logged[0][1]["job/restarts"], logged[0][1]["job/lost_steps"]) == (1.0, 2.0)
 
 
 def write_attempt(logdir: Path, first_step: int, losses: dict[int, float]) -> None:

@@ -1,6 +1,7 @@
 """Tracking on real ranks: rank 0 of a local gloo job writes every step to TensorBoard and
-W&B, a broken tracking directory leaves the clean losses, and a killed rank 0 recovers into
-the same run (the redone steps read back once, with their final values)."""
+W&B, a broken tracking directory leaves the clean losses (and says so in one event), a killed
+rank 0 recovers into the same run (the redone steps read back once, with their final values),
+and `tenax run` run again on its checkpoint continues the same W&B run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from tenax.workers.trainer import lr_at
-from tenax.workers.tracking import wandb_run_id
+from tenax.workers.tracking import TrackingStart, wandb_run_id
 from tests.test_tracking import f32
 from tests.tracking_readers import tensorboard_scalars, tensorboard_texts, wandb_run
 
@@ -76,6 +77,10 @@ def test_a_broken_tensorboard_dir_leaves_the_clean_losses(tmp_path):
     assert {e["step"]: e["loss"] for e in broken if e["event"] == "step"} == losses
     assert sorted(losses) == list(range(1, 7))
     assert not any(e["event"] == "failure" for e in broken)
+    offs = [e for e in broken if e["event"] == "tracking_off"]  # what the user is told
+    assert len(offs) == 1 and offs[0]["backend"] == "tensorboard", offs
+    assert offs[0]["reason"].startswith("open failed: ") and offs[0]["rank"] == 0
+    assert not any(e["event"] == "tracking_off" for e in clean)
 
 
 # ---- a kill-and-recover drill on a real local Ray ------------------------------------------
@@ -122,3 +127,71 @@ def test_killed_rank_zero_recovers_into_the_same_run(tmp_path, wandb_offline):
     final = final_values(job.events, "tokens_per_s")
     assert [r["train/tokens_per_s"] for r in second["history"] if "train/loss" in r] == \
         [final[s] for s in steps]
+    # The controller's totals (its `recovered` event, the `job` run) in the attempt's first row.
+    assert [(r["_step"], r["job/restarts"], r["job/lost_steps"])
+            for r in second["history"] if "job/restarts" in r] == \
+        [(recovered["step"] + 1, 1, recovered["lost_steps"])]
+
+
+# ---- `tenax run`, run again on its checkpoint --------------------------------------------------
+def test_tenax_run_names_the_wandb_run_by_the_spec_not_the_process(tmp_path, monkeypatch):
+    import contextlib
+
+    import tenax.orchestrator.cli.runner as runner
+    import tenax.orchestrator.job.controller as controller
+    from tenax.orchestrator.job.controller import JobState
+    from tenax.testing.jobs import make_spec
+
+    given: list[Any] = []
+
+    class Recorded:  # the Controller run_job builds, without Ray
+        def __init__(self, spec: Any, options: Any) -> None:
+            given.append(options)
+            self.job_id, self.step, self.cause = "x-1", spec.train.steps, ""
+
+        def run(self) -> JobState:
+            return JobState.SUCCEEDED
+
+    monkeypatch.setattr(runner, "ray_session", lambda *a: contextlib.nullcontext(None))
+    monkeypatch.setattr(controller, "Controller", Recorded)
+    spec = make_spec(tmp_path, [])
+    again = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 99})})
+    assert runner.run_job(spec) == 0 and runner.run_job(again) == 0  # two processes' worth
+    assert [o.tracking_id for o in given] == [wandb_run_id("", spec.to_dict())] * 2
+    assert runner.tracking_id(make_spec(tmp_path, [])) != runner.tracking_id(spec)  # other uri
+    monkeypatch.undo()
+    # The controller hands it to every start of the ranks; without one (the service), the job id.
+    ranks = controller.Controller(spec, controller.ControllerOptions(tracking_id="t")).placer
+    assert ranks.tracking() == TrackingStart("t", 0, 0, 0)
+    service = controller.Controller(spec, controller.ControllerOptions(job_id="job-7"))
+    assert service.placer.tracking().run_id == "job-7"
+
+
+@pytest.mark.slow  # two `tenax run`s on an embedded Ray
+@pytest.mark.timeout(900)
+def test_tenax_run_again_continues_the_wandb_run_and_says_tracking_is_off(tmp_path,
+                                                                          wandb_offline):
+    from tenax.orchestrator.spec import load_spec
+    from tenax.testing.jobs import job_overrides, read_events, run_cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    base = job_overrides(tmp_path, "again", ["resources.nodes=1", "resources.gpus_per_node=1",
+                                             "checkpoint.memory_every_steps=0",
+                                             f"logging.tensorboard_dir={blocker}/tb",
+                                             "logging.wandb={project: tenax-test, mode: offline}"])
+    for steps in (3, 5):  # the second resumes the first's checkpoint of step 3
+        log = tmp_path / f"log-{steps}.jsonl"
+        sets = [a for o in base + [f"train.steps={steps}"] for a in ("--set", o)]
+        done = run_cli(["run", *sets, "--log-json", str(log)],
+                       env={"RAY_AUTH_MODE": "disabled"}, timeout_s=400)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        offs = [e for e in read_events(log) if e["event"] == "tracking_off"]
+        assert len(offs) == 1 and offs[0]["backend"] == "tensorboard", offs
+        assert (done.stdout + done.stderr).count("Tracking to tensorboard is off") == 1
+    runs = sorted((wandb_offline / "wandb").glob("offline-run-*"))
+    spec = load_spec(overrides=base)
+    assert len(runs) == 2 and {wandb_run(r)["id"] for r in runs} == {
+        wandb_run_id("", spec.to_dict())}
+    assert [r["_step"] for r in wandb_run(runs[1])["history"] if "train/loss" in r] == [4, 5]
+

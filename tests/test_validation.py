@@ -3,13 +3,16 @@ torch loop computes over the same windows with the same weights, under any layou
 training untouched; the `eval` event reaches the controller's events, console and metrics."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,11 +20,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tenax.orchestrator.job.job_policy import FailurePolicy, JobAction, JobSnapshot, Limits
 from tenax.orchestrator.job.metrics import TenaxCollector
+from tenax.orchestrator.placement.worker_group import RankHealth, progressed
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.orchestrator.job.progress import JobProgress
 from tenax.parallel import build_model
 from tenax.workers import human
 from tenax.workers.errors import SpecError
+from tenax.workers.worker import RankStatus
 from tests.distributed import run_ranks
 from tests.engine_jobs import tiny_spec
 
@@ -142,16 +149,125 @@ class _Closed:
     stopped, old, failed_at, source = False, None, None, ""
 
 
+HANG_S, STEP_S, POLL_S = 10.0, 8.0, 1.0  # hang_timeout_s; a training step; heartbeat poll
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Controller:
+    """The controller's side of one rank: heartbeats of the agent's status every POLL_S, the
+    hang clock they restart (`progressed`), and the failure policy's decision."""
+
+    def __init__(self, status: Any, clock: FakeClock) -> None:
+        self.status, self.clock = status, clock
+        self.seen, self.seen_at = asdict(status), clock.now
+        self.decisions: list[Any] = []
+
+    def wait(self, seconds: float) -> None:
+        """`seconds` pass, with a heartbeat poll after each POLL_S."""
+        for _ in range(round(seconds / POLL_S)):
+            self.clock.now += POLL_S
+            reply = asdict(self.status)
+            if progressed(self.seen, reply):
+                self.seen_at = self.clock.now
+            self.seen = reply
+            health = RankHealth(0, "n0", None, 0.1, reply["state"], reply["step"],
+                                self.clock.now - self.seen_at, None)
+            limits = Limits(3, 1, timeouts=Timeouts(hang_timeout_s=HANG_S))
+            self.decisions.append(FailurePolicy().make_decision(
+                JobSnapshot((health,), 0, limits)))
+
+    def hangs(self) -> list[str]:
+        return [d.reason for d in self.decisions if d.action != JobAction.CONTINUE]
+
+
+def slow_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, report: bool,
+                    state: str, step: int, batch_s: float
+                    ) -> tuple[Controller, list[dict[str, Any]]]:
+    """A rank in `state` at `step` runs a validation of VAL_STEPS batches of `batch_s` each
+    (its agent noting the progress records when `report`), then takes a step of STEP_S."""
+    from tenax.workers import evaluation
+
+    clock = FakeClock()
+    status = RankStatus(rank=0, state=state, step=step)
+    controller = Controller(status, clock)
+
+    def batch_loss(trainer: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        controller.wait(batch_s)  # the forward passes of one batch
+        return torch.tensor(float(inputs.numel()), dtype=torch.float64)
+
+    monkeypatch.setattr(evaluation, "eval_loss_sum", batch_loss)
+    monkeypatch.setattr(evaluation, "EvalProgress",
+                        functools.partial(evaluation.EvalProgress, clock=clock))
+    records: list[dict[str, Any]] = []
+
+    def agent(record: dict[str, Any]) -> None:  # what RankWorker does with a "progress" message
+        records.append(record)
+        status.note_progress(record)
+
+    validator = evaluation.Validator(tiny_spec(val_extra(write_val(tmp_path / "val.bin"))))
+    trainer = SimpleNamespace(step=step, dp_rank=0, dp_size=1)
+    result = validator.run(trainer, agent if report else None)
+    assert result.step == step and result.loss == pytest.approx(1.0)  # numel / tokens
+    controller.wait(STEP_S)  # the next training step
+    status.state, status.step = "training", step + 1
+    controller.wait(POLL_S)
+    return controller, records
+
+
+# (state, step, seconds per batch, limit): an evaluation after step 10 against hang_timeout_s;
+# an `at_start` one while the rank is still starting, against the start-up limit (2x)
+CASES = [("training", 10, 4.0, HANG_S), ("starting", 0, 8.0, 2 * HANG_S)]
+
+
+@pytest.mark.parametrize("state,step,batch_s,limit", CASES, ids=[c[0] for c in CASES])
+def test_a_validation_longer_than_the_hang_timeout_is_no_hang(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, step: int, batch_s: float,
+        limit: float) -> None:
+    assert VAL_STEPS * batch_s + STEP_S > limit > batch_s  # together too long; a batch is not
+    controller, records = slow_evaluation(tmp_path, monkeypatch, True, state, step, batch_s)
+    assert controller.hangs() == []
+    assert [(r["event"], r["step"], r["batch"]) for r in records] == \
+        [("evaluating", step, b) for b in range(1, VAL_STEPS + 1)]  # batches >= 1 s apart
+    assert controller.status.progress == VAL_STEPS and controller.status.evaluating
+    # the reference: without the progress records the same run is declared hung
+    monkeypatch.undo()
+    silent, _ = slow_evaluation(tmp_path, monkeypatch, False, state, step, batch_s)
+    what = "step" if state == "training" else "start-up"
+    assert silent.hangs() and f"rank 0 hung: {what} did not advance" in silent.hangs()[0]
+
+
+def test_progress_records_are_rate_limited_but_the_last_batch_is_sent() -> None:
+    from tenax.workers.evaluation import EvalProgress
+
+    clock, sent = FakeClock(), []
+    progress = EvalProgress(sent.append, 7, 50, gap_s=1.0, clock=clock)
+    for batch in range(1, 51):
+        clock.now += 0.3
+        progress.batch_done(batch)
+    batches = [r["batch"] for r in sent]
+    assert batches[0] == 1 and batches[-1] == 50  # the first, and the end of the evaluation
+    assert all(b - a == 4 for a, b in zip(batches, batches[1:-1]))  # 4 x 0.3 s >= 1 s
+    assert progress.sent == len(sent) < 20
+
+
 RANK_SCRIPT = """
 import json, sys
 from tenax.workers.rank import RankHooks, RankOptions, run_rank
 from tenax.workers.rendezvous import free_port
 from tests.ckpt_jobs import ckpt_spec
 spec = ckpt_spec({ckpt!r}, {extra!r}).to_dict()
-events = []
-hooks = RankHooks(on_step=lambda r: None, on_event=events.append)
+events, progress = [], []
+hooks = RankHooks(on_step=lambda r: None, on_event=events.append, on_progress=progress.append)
 run_rank(RankOptions(spec, {{"dp": 1}}, 0, 1, "127.0.0.1", free_port(), resume=False), hooks)
-print(json.dumps([e for e in events if e["event"] == "eval"]))
+print(json.dumps({{"eval": [e for e in events if e["event"] == "eval"], "progress": progress,
+                  "kinds": sorted({{e["event"] for e in events}})}}))
 """
 
 
@@ -165,8 +281,42 @@ def test_rank_loop_emits_eval_events(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    events = out["eval"]
     assert [e["step"] for e in events] == [0, 2, 4]
+    # liveness: each evaluation's first and last batch (2 fast batches), never an event
+    assert [(r["event"], r["step"], r["batch"], r["batches"]) for r in out["progress"]] == \
+        [("evaluating", s, b, 2) for s in (0, 2, 4) for b in (1, 2)]
+    assert "evaluating" not in out["kinds"]
     for e in events:
         assert {"step", "loss", "tokens", "seconds", "rank", "time"} <= set(e)
         assert e["tokens"] == 2 * 12 * SEQ and np.isfinite(e["loss"])
+
+
+@pytest.mark.slow  # a forkserver with torch preloaded, and a 4-step rank
+def test_the_agent_counts_evaluation_progress_and_forwards_no_record(tmp_path: Path) -> None:
+    """The real path: training process -> pipe -> agent status (`progress`, which restarts
+    the controller's hang clock), while the agent's events stay the pinned kinds."""
+    import gc
+
+    from tenax.workers.rendezvous import free_port
+    from tenax.workers.worker import RankRun, RankWorker
+    from tests.ckpt_jobs import ckpt_spec
+
+    uri = write_val(tmp_path / "val.bin", n_tokens=12 * 2 * SEQ + 1)
+    extra = ["train.steps=4", "checkpoint.every_steps=4", "checkpoint.memory_every_steps=0",
+             f"data.validation={{uri: '{uri}', every_steps: 2, steps: 2, at_start: true}}"]
+    spec = ckpt_spec((tmp_path / "ck").as_uri(), extra).to_dict()
+    agent = RankWorker()  # its own forkserver: no Ray needed
+    try:
+        attempt = agent.start(RankRun(spec, {"dp": 1}, 0, 1, "127.0.0.1", free_port()))
+        assert agent.wait_ended(attempt, 300)
+        beat = agent.heartbeat()
+    finally:
+        agent.stop()
+        gc.unfreeze()  # the agent froze this test process's heap
+    assert beat["state"] == "done", beat["error"]
+    assert beat["progress"] == 6  # 3 evaluations x (first + last of 2 batches)
+    assert beat["evaluating"] == "step 4 batch 2/2"  # the last evaluation followed step 4
+    kinds = {e["event"] for e in beat["events"]}
+    assert "eval" in kinds and "evaluating" not in kinds

@@ -8,13 +8,20 @@ them, computed under the job's current layout (each dp rank its slice of every b
 as in training), forward only under torch.no_grad: no optimizer step, and the training cursor,
 RNG and losses are untouched. The loss counts every token (data.mask_eos_loss applies to the
 training loss only); data.document_mask applies, as the model was trained with it.
+
+Liveness: an evaluation takes no optimizer step, yet the controller declares a hang when a
+rank's step does not advance for hang_timeout_s. So `run` reports its progress after each batch
+(`EvalProgress`: an internal `evaluating` record, at most one per `PROGRESS_GAP_S` and always
+the last batch) to a sink the rank's agent reads; the agent counts them in its status and the
+controller restarts the rank's hang clock when that count changes. A validation set longer
+than the timeout is then no hang, while a rank stuck inside one batch still is.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,6 +32,9 @@ from tenax.workers.data import open_uri
 from tenax.workers.spec import JobSpec
 
 logger = logging.getLogger(__name__)
+
+EVALUATING = "evaluating"  # the progress record's kind: consumed by the agent, never forwarded
+PROGRESS_GAP_S = 1.0  # at most one progress record per this many seconds (fast batches)
 
 
 @dataclass
@@ -37,6 +47,30 @@ class EvalResult:
     def record(self) -> dict[str, Any]:
         """The `eval` event's fields."""
         return {"event": "eval", **asdict(self)}
+
+
+class EvalProgress:
+    """Hands `{"event": "evaluating", "step", "batch", "batches"}` records to `send`, rate
+    limited: the first batch, then one per `gap_s`, and always the last batch (the hang clock
+    then restarts when the evaluation ends, not up to `gap_s` before)."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], step: int, batches: int,
+                 gap_s: float = PROGRESS_GAP_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.send, self.step, self.batches = send, step, batches
+        self.gap_s, self.clock = gap_s, clock
+        self.sent_at: float | None = None
+        self.sent = 0  # records handed over (what a test compares with the batches)
+
+    def batch_done(self, batch: int) -> None:
+        """Batch `batch` (1-based) of the evaluation is done."""
+        now = self.clock()
+        due = self.sent_at is None or now - self.sent_at >= self.gap_s
+        if not due and batch < self.batches:
+            return
+        self.sent_at, self.sent = now, self.sent + 1
+        self.send({"event": EVALUATING, "step": self.step, "batch": batch,
+                   "batches": self.batches})
 
 
 class Validator:
@@ -72,13 +106,19 @@ class Validator:
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def run(self, trainer: Any) -> EvalResult:
-        """Mean cross-entropy over every validation batch under `trainer`'s layout."""
+    def run(self, trainer: Any,
+            on_progress: Callable[[dict[str, Any]], None] | None = None) -> EvalResult:
+        """Mean cross-entropy over every validation batch under `trainer`'s layout;
+        `on_progress` gets the rate-limited `evaluating` records (`EvalProgress`)."""
         start = time.perf_counter()
         total = 0.0
+        progress = EvalProgress(on_progress, trainer.step, self.steps) \
+            if on_progress is not None else None
         for index in range(self.steps):
             inputs, targets = self.batch(index, trainer.dp_rank, trainer.dp_size)
             total += float(eval_loss_sum(trainer, inputs, targets).item())
+            if progress is not None:
+                progress.batch_done(index + 1)
         tokens = self.steps * self.g * self.seq_len
         result = EvalResult(trainer.step, total / tokens, tokens,
                             round(time.perf_counter() - start, 6))

@@ -137,7 +137,9 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "scaled": _scaled,
     "state": lambda f: f"The job is {f['state']}" + (f": {f['reason']}" if f.get("reason") else ""),
     "failure": lambda f: (f"At step {f.get('step', '?')} rank {f.get('rank', '?')} failed"
-                          + (f" ({f['kind']})" if f.get("kind") else "") + f": {f['cause']}"),
+                          + (f" ({f['kind']})" if f.get("kind") else "") + f": {f['cause']}"
+                          + (f"; stacks: tenax diagnose {f['diagnostics']}"
+                             if f.get("diagnostics") else "")),
     "recovered": lambda f: (f"Recovered from step {f['step']} on {layout_text(f.get('layout'))} "
                             f"in {f.get('seconds', 0):.1f} s "
                             f"({_plural(f.get('lost_steps', 0), 'step')} lost"
@@ -154,6 +156,9 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "snapshot": lambda f: (f"Rank {f.get('rank', '?')} kept step {f['step']} in memory "
                            f"({f.get('bytes', 0)} bytes in {f.get('seconds', 0):.3f} s)"),
     "snapshots_off": lambda f: f"In-memory snapshots are off: {f.get('reason', '')}",
+    "tracking_off": lambda f: (f"Tracking to {f.get('backend', 'a backend')} is off from step "
+                               f"{f.get('step', '?')} and training goes on: "
+                               f"{f.get('reason', '')}"),
     "started": lambda f: f"Rank {f.get('rank', 0)} started at step {f['step']}",
     "straggler": lambda f: (f"Rank {f['rank']} is a straggler (score {f['score']:.2f} of the "
                             f"median); action {f.get('action', 'alert')}" + (
@@ -162,6 +167,10 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "profile": lambda f: (f"Profiled steps {f['steps'][0]}-{f['steps'][1]} on every rank: "
                           f"traces at {f['diagnostics']}"),
     "chaos": lambda f: f"Chaos drill {f['kind']}: {f.get('detail', '')}",
+    # the verdict, then every row that did not pass (what `tenax status` keeps as `preflight`)
+    "preflight": lambda f: f"Preflight {f['verdict']}" + "".join(
+        f"; {r['name']} {r['verdict']}: {r.get('detail') or r.get('measured', '')}"
+        for r in f.get("rows") or () if r.get("verdict") != "pass"),
     "resumed": lambda f: (f"The service restarted and resumes the job (it was "
                           f"{f.get('was', '?')}): {f.get('reason', '')}"),
     "rank_done": lambda f: f"Rank {f.get('rank', '?')} finished",

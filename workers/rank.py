@@ -35,7 +35,7 @@ from tenax.workers.memory_options import MemoryOptions, begin_rank, snapshotter
 from tenax.workers.profiling import ProfileWindows
 from tenax.workers.rendezvous import join_process_group, leave_process_group
 from tenax.workers.tracking.figures import device_figures
-from tenax.workers.tracking.tracker import open_tracker, tee_hooks
+from tenax.workers.tracking.tracker import TrackingStart, open_tracker, tee_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,9 @@ class RankOptions:
     resume: bool = True  # from the newest committed checkpoint (or memory's restore_uri)
     storage_options: dict[str, Any] | None = None  # fsspec options for checkpoint.uri
     memory: MemoryOptions | None = None  # in-memory snapshots (from the rank's agent)
-    job_id: str = ""  # names the job's W&B run (logging.wandb); "" for the local launcher
+    # rank 0's tracker: the W&B run id (the service's job id, `tenax run`'s spec-derived
+    # ControllerOptions.tracking_id; "": the spec's name and checkpoint URI) and restart totals
+    tracking: TrackingStart = TrackingStart()
 
 
 class FaultHook(Protocol):
@@ -81,6 +83,9 @@ class RankHooks:
     """How the rank loop talks to whoever runs it (all optional)."""
     on_step: Callable[[Record], None] | None = None  # "started" and "step" records
     on_event: Callable[[Record], None] | None = None  # checkpoint events (default: on_step)
+    # liveness without a step: `evaluating` records of a validation run (workers/evaluation.py),
+    # for the agent's hang clock only; never events
+    on_progress: Callable[[Record], None] | None = None
     should_stop: Callable[[], bool] | None = None  # polled at every step boundary
     # (request id, steps) of the latest profile request, polled with should_stop; (0, 0): none
     profile_request: Callable[[], tuple[int, int]] | None = None
@@ -161,7 +166,7 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks,
     with CheckpointManager(checkpoint_config(spec), trainer, rank, world,
                            storage_options=storage_options) as mgr, ExitStack() as closing:
         resumed, source = begin_rank(mgr, trainer, options.memory, options.resume, rank, world)
-        tracker = open_tracker(options.spec, options.job_id, rank, trainer.step)
+        tracker = open_tracker(options.spec, options.tracking, rank, trainer.step)
         if tracker is not None:  # rank 0 with `logging`: records also go there
             hooks = tee_hooks(hooks, tracker)
             closing.enter_context(tracker)  # closed after the last save's events
@@ -171,7 +176,7 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks,
                               "resumed_from": resumed, "source": source,
                               "joined_at": joined_at, "built_at": built_at, **base}))
         if validator is not None and trainer.step == 0 and validator.due(0):
-            hooks.events([validator.run(trainer).record()], rank)
+            hooks.events([validator.run(trainer, hooks.on_progress).record()], rank)
         try:
             record = _steps(trainer, mgr, snaps, options, hooks, base, validator)
         finally:
@@ -211,7 +216,7 @@ def _steps(trainer: Any, mgr: Any, snaps: Any, options: RankOptions, hooks: Rank
                 and trainer.step < target:
             snaps.snapshot(trainer.step)
         if validator is not None and validator.due(trainer.step):  # the `eval` event
-            hooks.events([validator.run(trainer).record()], base["rank"])
+            hooks.events([validator.run(trainer, hooks.on_progress).record()], base["rank"])
         hooks.events(mgr.drain_events(), base["rank"])
     return record
 

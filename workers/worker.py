@@ -14,9 +14,10 @@ workers/zygote.py). Why:
   placement with it.
 
 Step and checkpoint records flow child -> actor over a pipe and are fetched by the controller
-with each heartbeat, so no rank ever blocks on the controller. The child runs the rank loop
-(workers/rank.py); only in a drill does it get a fault hook (`RankChaos`, None in production),
-whose claims in the job's ledger go through this actor.
+with each heartbeat, so no rank ever blocks on the controller; a validation run's
+`evaluating` records only bump the status's `progress` (the controller's hang clock). The child
+runs the rank loop (workers/rank.py); only in a drill does it get a fault hook (`RankChaos`,
+None in production), whose claims in the job's ledger go through this actor.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from tenax.workers.chaos_injector import RankChaos
 from tenax.workers.diagnostics import arm_stack_dump, dump_stacks, forget_stacks
 from tenax.workers.memory_options import MemoryOptions
 from tenax.workers.snapshot_keeper import ReplicaTerms, SnapshotKeeper
+from tenax.workers.tracking.tracker import TrackingStart
 from tenax.workers.zygote import ForkSource
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class RankRun:
     port: int
     node_id: str = ""  # the Ray node this rank was placed on
     job_id: str = ""
+    tracking: TrackingStart | None = None  # rank 0's W&B run id and restart totals
     generation: int = 0  # the controller's placement counter (snapshot series)
     snapshot_every: int = 0  # the placement's decision: a snapshot every N steps (0: none)
     restore_uri: str | None = None  # an assembled in-memory snapshot to resume from
@@ -72,6 +75,16 @@ class RankStatus:
     loss: float | None = None
     child_pid: int | None = None
     attempt: int = 0
+    # `evaluating` records seen (workers/evaluation.py): a rank busy without stepping. The
+    # controller restarts the rank's hang clock when this changes, as when its step does.
+    progress: int = 0
+    evaluating: str = ""  # "step S batch B/N" of the latest one; "" once a step follows
+
+    def note_progress(self, record: dict[str, Any]) -> None:
+        """An `evaluating` record: the rank is alive and working, though its step stays."""
+        self.progress += 1
+        self.evaluating = (f"step {record.get('step')} batch {record.get('batch')}/"
+                           f"{record.get('batches')}")
 
 
 def settle_inherited_heap() -> None:
@@ -111,11 +124,12 @@ def _child_main(run: RankRun, memory: MemoryOptions, conn: Any, control: Any) ->
                      on_snapshot=lambda event: send(("record", {**event, "rank": run.rank})))
     channel = ControlChannel(control)  # "stop", and profile requests
     hooks = RankHooks(on_step=lambda record: send(("record", record)),
+                      on_progress=lambda record: send(("progress", record)),
                       should_stop=channel.should_stop, profile_request=channel.profile_request,
                       faults=run.chaos.injector(run.rank, run.node_id, claim)
                       if run.chaos is not None else None)
     options = RankOptions(run.spec, run.layout, run.rank, run.world, run.addr, run.port,
-                          memory=memory, job_id=run.job_id)
+                          memory=memory, tracking=run.tracking or TrackingStart(run.job_id))
     try:
         record = run_rank(options, hooks)
         send(("stopped" if record.get("event") == "stopped" else "done", None))
@@ -252,6 +266,9 @@ class RankWorker:
             conn.send(bool(ray.get(self._ledger.claim.remote(payload), timeout=30)))
         elif kind == "record":
             self._on_record(payload)
+        elif kind == "progress":  # liveness only: the status notes it, no event is kept
+            with self._lock:
+                self._status.note_progress(payload)
         elif kind == "plan":
             self._plan = payload
         elif kind == "done":
@@ -269,6 +286,7 @@ class RankWorker:
                 s.tokens_per_s = record.get("tokens_per_s", 0.0)
                 s.rank_tokens_per_s = record.get("rank_tokens_per_s", 0.0)
                 s.step_s = record.get("step_s", 0.0)
+                s.evaluating = ""
             elif record.get("event") == "started":
                 self._status.step = record["step"]
             self._events.append(record)

@@ -127,7 +127,8 @@ class EventSink:
 
 LOUD = {"queued": "yellow", "admitted": "green", "failure": "red", "recovered": "green",
         "checkpoint_failed": "yellow", "done": "bold", "chaos": "magenta", "scaled": "cyan",
-        "straggler": "yellow", "profile": "cyan"}
+        "straggler": "yellow", "profile": "cyan", "tracking_off": "yellow",
+        "snapshots_off": "yellow"}
 
 
 def _styled(event: dict[str, Any]) -> str:
@@ -145,6 +146,14 @@ def _queue(spec: JobSpec, sink: EventSink) -> str | None:
     return wait_for_gpus(spec, lambda kind, **f: sink(Event.make(kind, **f).to_dict()))
 
 
+def tracking_id(spec: JobSpec) -> str:
+    """What names `tenax run`'s W&B run: the spec's name and checkpoint URI, not the job id
+    (random per process), so running the job again on its checkpoint resumes the same run."""
+    from tenax.workers.tracking import wandb_run_id
+
+    return wandb_run_id("", spec.to_dict())
+
+
 def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
             address: str | None = None, metrics_port: int | None = None,
             preflight: bool = False) -> int:
@@ -157,6 +166,10 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
 
     chaos = parse_chaos(chaos_spec)
     validate_for_job(chaos, spec.resources.world_size, spec.resources.nodes, spec.train.steps)
+    if spec.model.init_from is not None:  # bad weights refuse the job (exit 2), before Ray
+        from tenax.workers.hf import check_init_from
+
+        check_init_from(spec)
     console = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
@@ -174,7 +187,8 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
             return 1
         controller = Controller(spec, ControllerOptions(on_event=sink, chaos=chaos,
                                                         launched_at=process_started_at(),
-                                                        forkserver=forkserver))
+                                                        forkserver=forkserver,
+                                                        tracking_id=tracking_id(spec)))
         metrics = None
         if metrics_port:
             from tenax.orchestrator.job.metrics import serve_metrics

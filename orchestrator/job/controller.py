@@ -55,7 +55,7 @@ from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
 from tenax.parallel import ParallelLayout
 from tenax.workers import Event
-from tenax.workers.tracking import job_events
+from tenax.workers.tracking import TrackingStart, job_events
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,10 @@ class Controller:
         # Placing and starting actors on a loaded host can take longer than a step may hang;
         # it gets the same allowance as a rank that is still starting.
         self.placer = Placer(self.job_id, spec, self.timeouts.startup_s, self.goodput.cold_start,
-                             forkserver=options.forkserver)
+                             forkserver=options.forkserver,
+                             tracking=lambda: TrackingStart(  # W&B's run and restart totals
+                                 options.tracking_id or self.job_id, self.restarts,
+                                 self.progress.lost_steps, self.progress.max_step_seen))
         ft = spec.fault_tolerance
         self.stragglers = StragglerTracker(ft.straggler_threshold, ft.straggler_action,
                                            self.timeouts.heartbeat_interval_s)
@@ -303,7 +306,7 @@ class Controller:
         logger.info("job %s: layout decision: %s", self.job_id, plan.reason)
         self.layout = plan.layout
         try:
-            reuse = self._place_and_start(plan.layout)
+            reuse = self._place_and_start(plan.layout, plan.recompute)
         except PLACEMENT_ERRORS as err:
             return restart_or_fail(f"placement failed: {err}", self.restarts, self.limits,
                                    kind="placement")
@@ -314,11 +317,12 @@ class Controller:
         return JobDecision(JobAction.START, f"started {plan.layout.describe()} "
                            f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
 
-    def _place_and_start(self, layout: ParallelLayout) -> dict[str, Any]:
-        """Place and start (orchestrator/placement/placer.py); a failure leaves no group behind."""
+    def _place_and_start(self, layout: ParallelLayout, recompute: str = "auto") -> dict[str, Any]:
+        """Place and start (orchestrator/placement/placer.py); a failure leaves no group behind.
+        The ranks run the plan's `recompute` level, the one `plan.reason` printed."""
         drill = self.chaos.for_ranks() if self.chaos is not None else None  # None: production
         try:
-            placed = self.placer.place(self.group, layout, drill)
+            placed = self.placer.place(self.group, layout, drill, recompute)
         except PLACEMENT_ERRORS:
             self.group = None
             raise

@@ -74,7 +74,8 @@ class FailureRecovery:
         rec.health = tuple(group.health()) if group is not None else ()
         rec.probes.reset()
         if decision.failed_ranks:  # a hang's stacks first: before anything is killed
-            evidence = hang_evidence(group, self.spec, decision.cause_kind)
+            decision, evidence = hang_evidence(group, self.spec, decision)
+            rec.failure = decision  # a hang's stacks may single out another rank as the root
             self.publish("failure", step=step,
                          rank=decision.failed_ranks[0], ranks=list(decision.failed_ranks),
                          cause=decision.reason, kind=decision.cause_kind, **evidence)

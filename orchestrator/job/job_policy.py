@@ -139,12 +139,26 @@ def rank_problem(r: "RankHealth", limits: Limits,
     return None
 
 
+def _stalled(snap: JobSnapshot) -> list[int]:
+    """Ranks whose step has not advanced for half their hang limit. The ranks of a hang stall
+    together but cross the limit a heartbeat poll apart: naming only the first to cross would
+    blame whichever rank's last reply came first."""
+    t = snap.limits.timeouts
+    return [r.rank for r in snap.ranks if r.state in ("training", "starting") and not r.dead
+            and r.step_age_s > (t.startup_s if r.state == "starting" else t.hang_timeout_s) / 2]
+
+
 def _failure(snap: JobSnapshot, stopped_ok: bool) -> JobDecision | None:
     found = (rank_problem(r, snap.limits, stopped_ok) for r in snap.ranks)
     problems = sorted(p for p in found if p)
     if not problems:
         return None
     _, root_rank, kind, root = problems[0]
+    hung = sorted({p[1] for p in problems if p[2] == "hang"} | set(_stalled(snap)))
+    if kind == "hang" and len(hung) > 1:
+        # In a hang every rank stops stepping: the heartbeats cannot tell which one hung, so
+        # the reason names them all (the stacks can tell: orchestrator/job/diagnostics.py).
+        root = f"ranks {', '.join(map(str, hung))} hung: " + root.partition(" hung: ")[2]
     # peers of a dead rank fail too; report the root cause first
     failed = (root_rank,) + tuple(sorted({p[1] for p in problems} - {root_rank}))
     return restart_or_fail(root, snap.restarts, snap.limits, failed, kind)
@@ -283,6 +297,7 @@ class ScaleDecision:
     layout: "ParallelLayout | None" = None
     nodes: int = 0
     runners_up: tuple[str, ...] = ()
+    recompute: str = "auto"  # the level the plan chose (and printed) for `layout`
 
 
 def wants_rescale(snap: JobSnapshot) -> JobDecision:
@@ -353,7 +368,8 @@ class ScalingPolicy:
             why = f"{plan.layout.describe()} on {world} GPUs of {nodes} node(s): {plan.best.reason}"
             if tried:
                 why += f" (could not use more GPUs: {tried[0]})"
-            return ScaleDecision(JobAction.START, why, plan.layout, used_nodes, tuple(tried))
+            return ScaleDecision(JobAction.START, why, plan.layout, used_nodes, tuple(tried),
+                                 plan.best.recompute)
         return ScaleDecision(JobAction.FAIL, "no valid layout on the available GPUs: " +
                              "; ".join(tried[:3]), nodes=nodes, runners_up=tuple(tried))
 

@@ -28,6 +28,9 @@ Observer = Callable[[Any, list[dict[str, Any]]], None]  # (controller, records) 
 class ControllerOptions:
     """A job controller's collaborators and options, fixed for its life."""
     job_id: str | None = None  # default: the spec's name and a random suffix
+    # What names the job's W&B run (logging.wandb) on every attempt; default: the job id.
+    # `tenax run` gives one derived from the spec, so running it again resumes the same run.
+    tracking_id: str | None = None
     on_event: Subscriber | None = None  # the job's event sink (more listeners: `subscribe`)
     chaos: Sequence["ChaosEvent"] = ()  # drills (`tenax run --chaos`); none in production
     capacity_limit: Callable[[], int] | None = None  # tenax serve: nodes the scheduler allots

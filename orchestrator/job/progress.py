@@ -74,8 +74,8 @@ class JobProgress:
                 yield relayed(record)  # once per attempt (what one costs); every step would flood
             elif kind == "snapshots_off" and record["rank"] == 0:  # every rank stopped alike
                 yield Notice(record["event"], relayed(record).fields, closes="snapshots")
-            elif kind in ("eval", "profile") and record["rank"] == 0:  # rank 0 speaks for all
-                yield relayed(record)
+            elif kind in ("eval", "profile", "tracking_off") and record["rank"] == 0:
+                yield relayed(record)  # rank 0 speaks for all (and only rank 0 tracks)
             elif kind in ("checkpoint", "checkpoint_failed") and record["rank"] == 0:
                 self.goodput.checkpoint_blocked(record.get("blocked_s", 0.0))
                 yield relayed(record)

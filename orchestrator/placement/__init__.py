@@ -17,7 +17,7 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "worker_group": ("RankHealth", "WorkerGroup"),
+    "worker_group": ("RankHealth", "WorkerGroup", "progressed"),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
     "capacity": ("Capacity", "NodeProbes", "NodesReader", "RayNodesTimeout", "cluster_capacity",
                  "ray_nodes"),

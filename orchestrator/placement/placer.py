@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -23,8 +23,10 @@ from tenax.orchestrator.placement.host_memory import (SnapshotMemoryPlan, plan_s
                                                       snapshot_tmpfs_room)
 from tenax.orchestrator.placement.recovery import MemoryRecovery, MemoryStart, PreparedRestore
 from tenax.orchestrator.placement.worker_group import PhaseMarks, WorkerGroup
+from tenax.orchestrator.spec import spec_for_ranks
 from tenax.parallel import ParallelLayout
 from tenax.workers import RankChaos, new_job_secret
+from tenax.workers.tracking import TrackingStart
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +43,16 @@ class Placed:
 
 class Placer:
     def __init__(self, job_id: str, spec: Any, timeout_s: float,
-                 marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None) -> None:
+                 marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None,
+                 tracking: Callable[[], TrackingStart] | None = None) -> None:
         self.job_id, self.spec, self.timeout_s = job_id, spec, timeout_s
         self.forkserver = forkserver  # one the launcher started (ControllerOptions.forkserver)
+        self.tracking = tracking  # rank 0's W&B run id and the restart totals, at each start
         self.marks = marks  # the cold start's placement phases go here (None: not measured)
         self.gpus_per_node = spec.resources.gpus_per_node
         self.generation = 0
         self.snapshots: SnapshotMemoryPlan | None = None  # the newest placement's decision
+        self.recompute = "auto"  # the newest placement's plan: its activation recompute level
         self.told_off = False
         self.off_reason = ""  # why the ranks turned snapshots off while running (said once)
         self.secret = new_job_secret()  # the job's replica secret: to its agents, never logged
@@ -74,9 +79,11 @@ class Placer:
         self.off_reason, self.told_off = reason or "in-memory snapshots turned off", True
 
     def place(self, group: WorkerGroup | None, layout: ParallelLayout,
-              chaos: RankChaos | None = None) -> Placed:
+              chaos: RankChaos | None = None, recompute: str = "auto") -> Placed:
         """Raises a PLACEMENT_ERRORS error (after releasing what it placed) when both fail.
-        `chaos`: a drill's rank-side faults for every rank (None in production)."""
+        `chaos`: a drill's rank-side faults for every rank (None in production). `recompute`:
+        the level the plan chose for `layout`, handed to the ranks in place of the spec's."""
+        self.recompute = recompute
         if group is not None:  # survivors' processes go first: none may write a snapshot
             group.stop_training(self.timeout_s)  # while it is read, and the CPU is the recovery's
         # Whether the job asks for snapshots does not change with the layout: the last
@@ -118,5 +125,6 @@ class Placer:
         every = self.snapshots.every_steps if self.snapshots is not None else 0
         rank_bytes = self.snapshots.per_rank_bytes if self.snapshots is not None else 0
         memory = MemoryStart(self.job_id, self.generation, every, uris, self.secret, rank_bytes)
-        group.start(self.spec.to_dict(), self.timeout_s, memory, chaos)
+        group.start(spec_for_ranks(self.spec, self.recompute), self.timeout_s, memory, chaos,
+                    self.tracking() if self.tracking is not None else None)
         return reuse, source

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -30,6 +30,7 @@ from tenax.orchestrator.errors import PlacementError
 from tenax.orchestrator.placement.recovery import MemoryStart
 from tenax.parallel import ParallelLayout
 from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms, Zygote
+from tenax.workers.tracking import TrackingStart
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class RankHealth:
     heartbeat_age_s: float
     state: str
     step: int
-    step_age_s: float
+    step_age_s: float  # since its step, state or progress last changed (`progressed`)
     error: str | None
 
 
@@ -204,7 +205,8 @@ class WorkerGroup:
 
     # ---- run ---------------------------------------------------------------------------------
     def start(self, spec: dict[str, Any], timeout_s: float, memory: MemoryStart | None = None,
-              chaos: RankChaos | None = None) -> tuple[str, int]:
+              chaos: RankChaos | None = None,
+              tracking: TrackingStart | None = None) -> tuple[str, int]:
         """Rendezvous on rank 0's node and (re)start every rank's training process.
         `chaos`: a drill's rank-side faults, handed to every agent (None in production)."""
         self.stop_training(timeout_s)
@@ -213,7 +215,7 @@ class WorkerGroup:
         refs = []
         for h in self.ranks:
             run = RankRun(spec, self.layout.to_dict(), h.rank, len(self.ranks), addr, port,
-                          node_id=h.node_id, job_id=self.job_id, chaos=chaos)
+                          node_id=h.node_id, job_id=self.job_id, chaos=chaos, tracking=tracking)
             if memory is not None:
                 run = replace(run, job_id=memory.job_id, generation=memory.generation,
                               snapshot_every=memory.snapshot_every,
@@ -332,7 +334,7 @@ class WorkerGroup:
             return []  # an answer about the previous training process
         events = reply.pop("events")
         h.n_events = reply["n_events"]
-        if reply["step"] != h.status.get("step") or reply["state"] != h.status.get("state"):
+        if progressed(h.status, reply):
             h.step_seen_at = h.last_reply
         h.status = reply
         return [{**e, "rank": h.rank} for e in events]
@@ -380,6 +382,13 @@ class WorkerGroup:
         for block in self.blocks:
             self._remove_block(block)
         self.ranks, self.blocks = [], []
+
+
+def progressed(before: Mapping[str, Any], reply: Mapping[str, Any]) -> bool:
+    """A heartbeat shows work since the previous one: the step or the state changed, or the
+    agent noted more progress records (a validation run takes no step yet is no hang). The
+    rank's hang clock (`RankHealth.step_age_s`) restarts then."""
+    return any(reply.get(key) != before.get(key) for key in ("step", "state", "progress"))
 
 
 def _kill_quietly(actor: Any) -> None:

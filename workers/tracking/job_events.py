@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from tenax.workers.tracking.tracker import JOB_FIGURES, TEXT_TAGS, Tracker
+from tenax.workers.tracking.tracker import JOB_FIGURES, OFF, TEXT_TAGS, Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class JobEvents:
 
     def on_event(self, event: Mapping[str, Any]) -> None:
         kind = event.get("event")
-        if kind in TEXT_TAGS:
+        if kind in TEXT_TAGS and kind != OFF:  # a backend switched off: rank 0's run says so
             self.tracker.submit(dict(event))
         figures: dict[str, Any] = {}
         if kind == "recovered":

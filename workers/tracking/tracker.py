@@ -9,7 +9,12 @@ slow file system or network can never stall a step.
 
 Why backends fail soft: tracking is for people, training is the job. A backend that cannot open
 (an unwritable directory, wandb failing to init) or that fails while writing logs one warning
-and is switched off; the job goes on and its JSON log still has every record.
+and is switched off; the job goes on and its JSON log still has every record. Why it also
+becomes an event: that warning lands in rank 0's process log, which a `tenax run` user never
+sees. The lane leaves a `tracking_off` record {backend, reason, step} in the tracker; the
+teed hooks (`tee_hooks`) take it after each record they pass on, and the tracker's close takes
+what is left, both on the training thread, so the event travels like any other rank record
+(the console, `--log-json`, the service's log) while no backend thread ever calls a hook.
 
 Which records become what (one mapping for every backend, `scalars_of`/`texts_of`):
 - `step`: train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/step_s, and on CUDA
@@ -17,7 +22,9 @@ Which records become what (one mapping for every backend, `scalars_of`/`texts_of
 - `eval` (when the job evaluates): eval/loss, eval/tokens_per_s;
 - `checkpoint`: checkpoint/blocked_s, checkpoint/save_s; `checkpoint_failed`: a text entry;
 - the attempt's start (`open`): the spec once (as text / as the W&B config) and an "attempts"
-  text entry at the attempt's first step.
+  text entry at the attempt's first step; on W&B also job/restarts and job/lost_steps (the
+  controller's running totals, `TrackingStart`) in that step's row, after a restart. (The
+  controller writes them to TensorBoard itself, as the `job` run: workers/tracking/job_events.)
 """
 from __future__ import annotations
 
@@ -46,10 +53,12 @@ CHECKPOINT_SCALARS = {"blocked_s": "checkpoint/blocked_s", "total_s": "checkpoin
 JOB_SCALARS = {"restarts": "job/restarts", "lost_steps": "job/lost_steps",
                "recovery_s": "job/recovery_s", "rescale_s": "job/rescale_s"}
 JOB_FIGURES = "job_figures"
+OFF = "tracking_off"  # the event saying a backend was switched off: {backend, reason, step}
+REASON_CHARS = 300  # of the error in its `reason`: one console line, not a wandb traceback
 # Text tags by event kind: one tag each, so that no kind's entries hide another's.
 TEXT_TAGS = {"failure": "failures", "recovered": "recoveries", "scaled": "rescales",
              "checkpoint_failed": "checkpoint_failures", "snapshots_off": "notices",
-             "straggler": "stragglers"}
+             "straggler": "stragglers", OFF: "notices"}
 
 
 class Backend(Protocol):
@@ -110,6 +119,24 @@ def wandb_run_id(job_id: str, spec: Mapping[str, Any]) -> str:
     return f"{clean[:55]}-{hashlib.sha1(job_id.encode()).hexdigest()[:8]}"
 
 
+@dataclasses.dataclass(frozen=True)
+class TrackingStart:
+    """What the controller tells rank 0's tracker at each start of the ranks (picklable)."""
+    run_id: str = ""  # names the W&B run; "": the spec's name and checkpoint URI
+    restarts: int = 0  # the controller's restarts so far, this start's included
+    lost_steps: int = 0  # steps lost to the recoveries before this start
+    reached_step: int = 0  # the furthest step any rank reached before this start
+
+    def figures(self, first_step: int) -> dict[str, float]:
+        """job/restarts and job/lost_steps once this start resumes at `first_step` (the steps
+        above it are lost, as the controller will count them); {} for a first start."""
+        lost = self.lost_steps + max(0, self.reached_step - first_step)
+        if not self.restarts and not lost:
+            return {}
+        return {JOB_SCALARS["restarts"]: float(self.restarts),
+                JOB_SCALARS["lost_steps"]: float(lost)}
+
+
 @dataclasses.dataclass
 class TrackerStats:
     written: int = 0  # records handed to the backends (by the slowest one)
@@ -124,9 +151,14 @@ class Lane:
     (`wandb.init` takes seconds) or to write never holds up the others."""
 
     def __init__(self, backend: Backend, first_step: int, spec: Mapping[str, Any],
-                 capacity: int) -> None:
+                 capacity: int, notices: collections.deque[Record] | None = None) -> None:
         self.backend, self.first_step, self.spec = backend, first_step, spec
         self.capacity = capacity
+        self.step = first_step  # the step being written: where a switch-off is told
+        # `tracking_off` records for the training thread to emit (a deque: appends and
+        # pops are atomic, so this thread and the training thread need no lock for it)
+        self.notices: collections.deque[Record] = \
+            notices if notices is not None else collections.deque()
         self.stats = TrackerStats()
         self.live = True
         self.closing = False
@@ -177,6 +209,7 @@ class Lane:
         step = record.get("step")
         if not isinstance(step, int) or not self.live:
             return
+        self.step = step
         wall = _number(record.get("time")) or time.time()
         values = scalars_of(record)
         if values:
@@ -195,7 +228,16 @@ class Lane:
             self.stats.failed.append(self.backend.name)
             logger.warning("tracking: %s switched off (%s failed: %s: %s); training goes on",
                            self.backend.name, method, type(err).__name__, err)
+            self.notices.append(off_record(
+                self.backend.name, f"{method} failed: {type(err).__name__}: {err}"[:REASON_CHARS],
+                self.step))
             _close_quietly(self.backend)
+
+
+def off_record(backend: str, reason: str, step: int) -> Record:
+    """The `tracking_off` event of a backend switched off at `step`, stamped now."""
+    return {"event": OFF, "backend": backend, "reason": reason, "step": step,
+            "time": round(time.time(), 6)}
 
 
 class Tracker:
@@ -203,12 +245,36 @@ class Tracker:
 
     def __init__(self, backends: list[Backend], first_step: int, spec: Mapping[str, Any],
                  capacity: int = CAPACITY) -> None:
-        self.lanes = [Lane(b, first_step, spec, capacity) for b in backends]
+        self.notices: collections.deque[Record] = collections.deque()
+        # Who hears of a switched-off backend (`tee_hooks` sets it); called on the thread that
+        # calls `report_off` or `close`, never on a lane's.
+        self.report: Callable[[Record], None] | None = None
+        self.lanes = [Lane(b, first_step, spec, capacity, self.notices) for b in backends]
 
     def submit(self, record: Record) -> None:
         """Queue a record for every backend; a full queue drops its oldest (counted)."""
         for lane in self.lanes:
             lane.put(record)
+
+    def take_off_notices(self) -> list[Record]:
+        """The `tracking_off` records not yet taken (each is handed out once)."""
+        out: list[Record] = []
+        while self.notices:
+            out.append(self.notices.popleft())
+        return out
+
+    def report_off(self) -> None:
+        """Tell `report` of every backend switched off since the last call (the caller's
+        thread); the backends still on note it as a text entry too."""
+        for notice in self.take_off_notices():
+            self.submit(notice)
+            if self.report is None:
+                continue
+            try:
+                self.report(notice)
+            except Exception as err:  # the event sink is gone (the job is ending)
+                logger.warning("tracking: could not report %s switched off: %s",
+                               notice.get("backend"), err)
 
     @property
     def stats(self) -> TrackerStats:
@@ -236,6 +302,7 @@ class Tracker:
             if lane.thread.is_alive():
                 logger.warning("tracking: %s did not finish within %.0f s; %d record(s) not "
                                "written", lane.backend.name, timeout_s, lane.pending())
+        self.report_off()  # lanes are done: what they switched off since the last step
         stats = self.stats
         if stats.dropped:
             logger.warning("tracking dropped %d record(s) while training ran ahead",
@@ -250,8 +317,10 @@ def _close_quietly(backend: Backend) -> None:
         logger.debug("tracking: closing %s: %s", backend.name, err)
 
 
-def backends_for(spec: Mapping[str, Any], job_id: str) -> list[Backend]:
-    """The backends the spec's `logging` section asks for (none when it asks for none)."""
+def backends_for(spec: Mapping[str, Any], job_id: str,
+                 figures: Mapping[str, float] | None = None) -> list[Backend]:
+    """The backends the spec's `logging` section asks for (none when it asks for none).
+    `figures`: the controller's job/* totals for W&B's first row of this attempt."""
     section = spec.get("logging") or {}
     out: list[Backend] = []
     if section.get("tensorboard_dir"):
@@ -262,16 +331,17 @@ def backends_for(spec: Mapping[str, Any], job_id: str) -> list[Backend]:
     if wandb and wandb.get("mode") != "disabled":
         from tenax.workers.tracking.wandb_writer import WandbWriter
 
-        out.append(WandbWriter(wandb, wandb_run_id(job_id, spec), str(spec.get("name", ""))))
+        out.append(WandbWriter(wandb, wandb_run_id(job_id, spec), str(spec.get("name", "")),
+                               figures))
     return out
 
 
-def open_tracker(spec: Mapping[str, Any], job_id: str, rank: int,
+def open_tracker(spec: Mapping[str, Any], start: TrackingStart, rank: int,
                  first_step: int) -> Tracker | None:
     """Rank 0's tracker for this attempt, or None (another rank, or nothing configured)."""
     if rank != 0:
         return None
-    backends = backends_for(spec, job_id)
+    backends = backends_for(spec, start.run_id, start.figures(first_step))
     return Tracker(backends, first_step, spec) if backends else None
 
 
@@ -280,6 +350,8 @@ def tee_hooks(hooks: Any, tracker: Tracker | None) -> Any:
     if tracker is None:
         return hooks
     on_step, on_event = hooks.on_step, hooks.on_event or hooks.on_step
+    if on_event is not None:  # a switched-off backend's event goes where events go
+        tracker.report = lambda notice: on_event({**notice, "rank": 0})  # only rank 0 tracks
     return dataclasses.replace(hooks, on_step=_teed(tracker, on_step),
                                on_event=_teed(tracker, on_event))
 
@@ -289,4 +361,5 @@ def _teed(tracker: Tracker, then: Callable[[Record], None] | None) -> Callable[[
         tracker.submit(record)
         if then is not None:
             then(record)
+        tracker.report_off()  # the training thread: a backend switched off becomes an event
     return both

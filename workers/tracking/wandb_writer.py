@@ -1,8 +1,10 @@
 """Weights & Biases backend: the tracker's scalars as one W&B run per job.
 
-The run id comes from the job id (`tracker.wandb_run_id`) and every attempt of rank 0 opens it
-with `resume="allow"`, so a recovery, a rescale or a restarted service appends to the same run
-instead of starting a new one. The spec is the run's config. W&B's history only moves forward:
+The run id comes from the service's job id, or for `tenax run` and the local launcher from the
+spec's name and checkpoint URI (`tracker.wandb_run_id`, `tracker.TrackingStart`), and every
+attempt of rank 0 opens it with `resume="allow"`, so a recovery, a rescale, a restarted service
+or `tenax run` run again appends to the same run instead of starting a new one. After a restart
+the controller's job/restarts and job/lost_steps join the attempt's first row. The spec is the run's config. W&B's history only moves forward:
 online, the values of steps redone after a failure are dropped by W&B (the first value of such
 a step stays; TensorBoard keeps the final one). Offline (`mode: offline`), each attempt is its
 own directory under WANDB_DIR, all with the same id; `wandb sync` uploads them into one run.
@@ -22,8 +24,10 @@ class WandbWriter:
     """A tracking backend (workers/tracking/tracker.py `Backend`) for one W&B run."""
     name = "wandb"
 
-    def __init__(self, section: Mapping[str, Any], run_id: str, job_name: str) -> None:
+    def __init__(self, section: Mapping[str, Any], run_id: str, job_name: str,
+                 figures: Mapping[str, float] | None = None) -> None:
         self.section, self.run_id, self.job_name = dict(section), run_id, job_name
+        self.figures = dict(figures or {})  # the controller's job/* totals at this start
         self.run: Any = None
         self._pending: dict[int, dict[str, Any]] = {}
 
@@ -37,6 +41,8 @@ class WandbWriter:
                               resume="allow", mode=s.get("mode") or "online",
                               config=dict(spec), settings=settings, reinit="create_new")
         logger.info("wandb: run %s (%s) from step %d", self.run_id, s.get("mode"), first_step)
+        if self.figures:  # in the row of the attempt's first step (steps only move forward)
+            self._pending.setdefault(first_step + 1, {}).update(self.figures)
 
     def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
         # One log call per step: eval and checkpoint records of a step join its row.
