@@ -21,7 +21,8 @@ EXAMPLES = {
     "recovered": {"step": 20, "layout": LAYOUT, "seconds": 4.2, "lost_steps": 1, "world_size": 4,
                   "source": "memory"},
     "snapshot": {"step": 20, "bytes": 1024, "seconds": 0.01, "generation": 1},
-    "snapshots_off": {"reason": "checkpoint.memory_every_steps=1: 3 GiB per node exceeds 0.5 x 4 GiB"},
+    "snapshots_off": {"reason": "checkpoint.memory_every_steps=1: 3 GiB per node exceeds "
+                                "0.5 x 4 GiB"},
     "tracking_off": {"backend": "tensorboard", "reason": "open failed: OSError: read-only",
                      "step": 0},
     "checkpoint": {"step": 20, "blocked_s": 0.01, "total_s": 0.4},

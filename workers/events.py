@@ -105,7 +105,8 @@ def _done(f: Mapping[str, Any]) -> str:
     if f.get("already_complete"):
         return (f"The job was already complete at step {f['step']}: the newest checkpoint is "
                 "the last step, nothing left to train")
-    goodput = (f.get("goodput") or {}).get("goodput") if isinstance(f.get("goodput"), dict) else None
+    figures = f.get("goodput")
+    goodput = figures.get("goodput") if isinstance(figures, dict) else None
     tail = f", goodput {goodput:.0%}" if isinstance(goodput, (int, float)) else ""
     return (f"The job finished at step {f['step']} with loss {_loss(f.get('loss'))} "
             f"({_plural(f.get('restarts', 0), 'restart')}, "
@@ -147,7 +148,8 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "eval": lambda f: (f"Validation at step {f['step']}: loss {_loss(f.get('loss'))} over "
                        f"{f.get('tokens', 0)} tokens in {f.get('seconds', 0):.2f} s"),
     "checkpoint": lambda f: (f"Checkpoint of step {f['step']} committed: training blocked "
-                             f"{f.get('blocked_s', 0):.3f} s, save took {f.get('total_s', 0):.2f} s"),
+                             f"{f.get('blocked_s', 0):.3f} s, save took "
+                             f"{f.get('total_s', 0):.2f} s"),
     "checkpoint_failed": lambda f: (f"Checkpoint of step {f['step']} failed and training goes on: "
                                     f"{f.get('cause', 'unknown cause')}"),
     "checkpoint_loaded": lambda f: (f"Loaded the checkpoint of step {f['step']} in "
@@ -174,7 +176,8 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "resumed": lambda f: (f"The service restarted and resumes the job (it was "
                           f"{f.get('was', '?')}): {f.get('reason', '')}"),
     "rank_done": lambda f: f"Rank {f.get('rank', '?')} finished",
-    "cancel_requested": lambda f: "Cancel was requested" + (f": {f['reason']}" if f.get("reason") else ""),
+    "cancel_requested": lambda f: "Cancel was requested" + (f": {f['reason']}"
+                                                            if f.get("reason") else ""),
     **{kind: _service(kind) for kind in SERVICE_KINDS},
 }
 KINDS = tuple(_RENDER)

@@ -36,7 +36,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
     table = Table(title=title)
     for col in columns:
-        table.add_column(col, justify="right" if col not in ("schedule", "stage", "layout") else "left")
+        left = col in ("schedule", "stage", "layout")
+        table.add_column(col, justify="left" if left else "right")
     for row in rows:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
     Console().print(table)
@@ -94,7 +95,8 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return 0
-    rows = [[b["label"], b["bubble"], f"{100 * b['fraction']:.1f}%"] for b in doc["schedules"].values()]
+    rows = [[b["label"], b["bubble"], f"{100 * b['fraction']:.1f}%"]
+            for b in doc["schedules"].values()]
     _table(f"Pipeline bubble: p={args.pp}, m={args.microbatches}, v={args.virtual}",
            ["schedule", "bubble time", "fraction"], rows)
     return 0
@@ -169,9 +171,11 @@ def _print_plan(doc: dict[str, Any]) -> None:
     Console().print(f"[bold]Chosen layout[/bold]: {best['describe']}  "
                     f"(recompute {best['recompute']}, {best['microbatches']} micro-batches)\n"
                     f"why: {doc['reason']}\n"
-                    f"per GPU {chosen['memory_per_gpu_gib']:.1f} GiB, step {chosen['step_time_s']:.4g} s, "
+                    f"per GPU {chosen['memory_per_gpu_gib']:.1f} GiB, "
+                    f"step {chosen['step_time_s']:.4g} s, "
                     f"{chosen['tokens_per_s']:.4g} tokens/s, MFU {100 * chosen['mfu']:.1f}% "
-                    f"(assumes {100 * doc['hardware']['mfu_assumed']:.0f}% of peak while computing)")
+                    f"(assumes {100 * doc['hardware']['mfu_assumed']:.0f}% of peak while "
+                    "computing)")
     for warning in doc["warnings"]:
         Console().print(f"[yellow]warning[/yellow]: {warning}")
     if "snapshot_memory" in doc:
@@ -217,7 +221,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model-preset", help=", ".join(PRESETS))
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu-mem-gib", type=float, default=None, help="default: the --gpu's HBM, or 80")
+    p.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help="default: the --gpu's HBM, or 80")
     p.add_argument("--gpu", choices=("a100", "h100", "h200", "b200"), default=None,
                    help="vendor figures: peak dense bf16, HBM, NVLink, NIC (override below)")
     for flag, unit in (("--peak-tflops", "dense bf16 TFLOP/s"), ("--hbm-gb", "GB"),
@@ -273,7 +278,8 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tenax", description="Fault-tolerant, elastic LLM training")
+    parser = argparse.ArgumentParser(prog="tenax",
+                                     description="Fault-tolerant, elastic LLM training")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in REGISTRARS:

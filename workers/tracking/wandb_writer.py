@@ -4,9 +4,10 @@ The run id comes from the service's job id, or for `tenax run` and the local lau
 spec's name and checkpoint URI (`tracker.wandb_run_id`, `tracker.TrackingStart`), and every
 attempt of rank 0 opens it with `resume="allow"`, so a recovery, a rescale, a restarted service
 or `tenax run` run again appends to the same run instead of starting a new one. After a restart
-the controller's job/restarts and job/lost_steps join the attempt's first row. The spec is the run's config. W&B's history only moves forward:
-online, the values of steps redone after a failure are dropped by W&B (the first value of such
-a step stays; TensorBoard keeps the final one). Offline (`mode: offline`), each attempt is its
+the controller's job/restarts and job/lost_steps join the attempt's first row. The spec is the
+run's config. W&B's history only moves forward: online, the values of steps redone after a
+failure are dropped by W&B (the first value of such a step stays; TensorBoard keeps the final
+one). Offline (`mode: offline`), each attempt is its
 own directory under WANDB_DIR, all with the same id; `wandb sync` uploads them into one run.
 
 System metrics sampling and console capture are off: the first costs a CPU thread in the
