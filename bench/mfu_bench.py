@@ -5,9 +5,10 @@
 
 `--quick`: the smoke size, 3 timed steps after 1 warm-up (explicit flags win).
 
-What runs: the real engine path (`tenax.parallel.parallel_model`: model built on meta, initialised from
-the seed, the hand-written DataParallel over a one-rank group) and the trainer's step recipe
-(micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW, after_optimizer_step).
+What runs: the real engine path (`tenax.parallel.parallel_model`: model built on meta,
+initialised from the seed, the hand-written DataParallel over a one-rank group) and the
+trainer's step recipe (micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW,
+after_optimizer_step).
 It deliberately imports nothing from orchestrator/ (no pydantic, no Ray) so it also runs on a
 bare GPU host with only torch.
 

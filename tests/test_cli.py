@@ -50,7 +50,8 @@ def test_plan_layout_preset_and_spec(capsys, tmp_path):
     assert doc["runners_up"] and all(r["reason"] for r in doc["runners_up"])
     spec = tmp_path / "job.yaml"
     spec.write_text("parallel: {dp: auto, tp: 2}\ntrain: {global_batch_size: 32}\n")
-    doc = run_json(capsys, "plan", "layout", "--spec", str(spec), "--gpus", "8", "--gpus-per-node", "4")
+    doc = run_json(capsys, "plan", "layout", "--spec", str(spec), "--gpus", "8",
+                   "--gpus-per-node", "4")
     assert doc["layout"]["tp"] == 2 and doc["layout"]["dp"] == 4
 
 
@@ -59,7 +60,8 @@ def test_user_errors_exit_2_with_field(capsys, tmp_path):
     spec.write_text("parallel: {tp: 3}\n")
     assert main(["plan", "layout", "--spec", str(spec), "--gpus", "6", "--gpus-per-node", "2"]) == 2
     assert "parallel.tp: 3 does not divide model.n_heads=8" in capsys.readouterr().err
-    assert main(["plan", "layout", "--model-preset", "gpt9", "--gpus", "8", "--gpus-per-node", "8"]) == 2
+    assert main(["plan", "layout", "--model-preset", "gpt9", "--gpus", "8",
+                 "--gpus-per-node", "8"]) == 2
     assert "unknown preset 'gpt9'" in capsys.readouterr().err
 
 
@@ -75,7 +77,8 @@ def test_data_prepare_writes_tokens(capsys, tmp_path):
 
 
 def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", "plan", "bubble", "--pp", "2",
-                           "--microbatches", "8", "--json"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", "plan", "bubble",
+                           "--pp", "2", "--microbatches", "8", "--json"],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["schedules"]["1f1b"]["fraction"] == pytest.approx(3 / 27)

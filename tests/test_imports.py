@@ -220,8 +220,9 @@ def test_the_layer_scan_catches_each_kind_of_import(tmp_path: Path, bad: str,
 def test_the_private_scan_catches_names_and_attributes(tmp_path: Path) -> None:
     fake = tmp_path / "bench" / "fake.py"
     fake.parent.mkdir()
-    fake.write_text("from tenax.parallel.comm_counter import _X\nimport tenax.parallel.layout as lay\n"
-                    "lay._hidden\nfrom tenax.parallel import layout\nlayout._other\n")
+    fake.write_text("from tenax.parallel.comm_counter import _X\n"
+                    "import tenax.parallel.layout as lay\nlay._hidden\n"
+                    "from tenax.parallel import layout\nlayout._other\n")
     problems = private_name_imports([fake], root=tmp_path)
     assert [p.split(" ", 1)[1] for p in problems] == [
         "imports _X from tenax.parallel.comm_counter", "reads tenax.parallel.layout._hidden",

@@ -131,7 +131,8 @@ def test_memory_backed_resharding_equals_storage_tensor_for_tensor(tmp_path):
     pieces[1] = (pieces[1][0], held)
     memory_uri = assemble_version(f"{root}/restore", pieces)
     shard = next(n for n in pieces[1][0].files if n != ".metadata")
-    assert os.stat(f"{root}/restore/{version_name(1)}/{shard}").st_ino == os.stat(f"{held}/{shard}").st_ino
+    restored = os.stat(f"{root}/restore/{version_name(1)}/{shard}")
+    assert restored.st_ino == os.stat(f"{held}/{shard}").st_ino
     # the stamps' checksums it committed without re-reading are the files' own
     assert Catalog(Storage(memory_uri, timeout_s=10)).verify(1) == []
     loaded = run_ranks(load_both_job, 2, f"file://{root}/storage", memory_uri)[0]

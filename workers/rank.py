@@ -14,9 +14,9 @@ events and `eval` events (data.validation, workers/evaluation.py) to `hooks.on_e
 boundary; when any rank says stop, all save at that boundary and the loop returns
 {"event": "stopped", ...}. `hooks.profile_request` (a running job's `tenax profile`) is agreed
 on in the same all-reduce, so every rank profiles the same steps. `hooks.faults` is a drill's
-fault injection (workers/chaos_injector.py), None in production: told before each step, it may kill or hang
-this process or stretch its compute. Rank 0 of a job with a `logging` section also hands its
-records to a tracker that writes TensorBoard / W&B off this thread (workers/tracking).
+fault injection (workers/chaos_injector.py), None in production: told before each step, it may
+kill or hang this process or stretch its compute. Rank 0 of a job with a `logging` section also
+hands its records to a tracker that writes TensorBoard / W&B off this thread (workers/tracking).
 With `train.profile_steps`, every rank records a torch.profiler trace of that window of steps
 (workers/profiling.py) and rank 0 reports the `profile` event.
 """

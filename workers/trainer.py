@@ -247,7 +247,8 @@ class Trainer:
         dist.all_reduce(loss_sum, group=self.pm.groups.dp_cp)
         return loss_sum.item() / self.step_tokens
 
-    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _pipeline_step(self, inputs: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, float]:
         losses, busy, _ = self.pipeline.step(inputs, targets)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in losses:

@@ -77,7 +77,9 @@ def local_step(states: list[ParamState]) -> torch.Tensor:
     """This rank's optimizer step count: the last parameter's that has one (0 if none); the
     callers take the largest over ranks (`agree_on_step`)."""
     step = next((s.state["step"] for s in reversed(states) if "step" in s.state), None)
-    return torch.zeros((), dtype=torch.float32) if step is None else step.detach().float().cpu().clone()
+    if step is None:
+        return torch.zeros((), dtype=torch.float32)
+    return step.detach().float().cpu().clone()
 
 
 def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:

@@ -160,9 +160,9 @@ class PiecewiseSavePlanner(DefaultSavePlanner):
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
                 items.append(WriteItem(
                     index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=chunk,
-                                                properties=TensorProperties.create_from_tensor(view),
-                                                size=torch.Size(entry.size))))
+                    tensor_data=TensorWriteData(
+                        chunk=chunk, properties=TensorProperties.create_from_tensor(view),
+                        size=torch.Size(entry.size))))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 

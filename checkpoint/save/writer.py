@@ -13,10 +13,10 @@ Runners (chosen by the manager; see its docstring for the measurements behind th
   lowered (Linux lets a thread have its own nice value) writes from host copies; with a
   `stage` callback it also makes those copies first (the manager's fenced, shared staging).
 - `start_fork` (fork_writer.py): fork a child at the same low priority that writes from a
-  copy-on-write snapshot of the live tensors (staging costs a fork instead of a memcpy). Measured to lose
-  more training time than the thread (every page the next step writes faults and is copied);
-  kept as an option and for the benchmark. Local filesystems only: memory:// is per-process,
-  and object-store clients hold event loops that do not survive a fork.
+  copy-on-write snapshot of the live tensors (staging costs a fork instead of a memcpy).
+  Measured to lose more training time than the thread (every page the next step writes faults
+  and is copied); kept as an option and for the benchmark. Local filesystems only: memory:// is
+  per-process, and object-store clients hold event loops that do not survive a fork.
 - `run_inline`: on the caller's thread (sync saves).
 
 Fault injection for drills and tests (read at write time, never at import): environment
