@@ -349,3 +349,22 @@ def test_the_forkserver_imports_without_the_collector_and_training_runs_with_it(
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+MAX_LINE = 100
+
+
+def long_lines(paths: list[Path], root: Path = REPO) -> list[str]:
+    """Lines over MAX_LINE characters (generated gRPC modules are exempt: protoc writes them)."""
+    return [f"{p.relative_to(root)}:{i} has {len(line)} characters"
+            for p in paths if not p.name.endswith(("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > MAX_LINE]
+
+
+def test_no_source_line_is_longer_than_100_characters(tmp_path: Path) -> None:
+    problems = long_lines(python_files(*SOURCE_DIRS))
+    assert problems == [], "\n".join(problems)
+    fake = tmp_path / "fake.py"
+    fake.write_text("x = 1\n" + "y = '" + "é" * 95 + "'\n")  # 101 characters, more bytes
+    assert long_lines([fake], root=tmp_path) == ["fake.py:2 has 101 characters"]
