@@ -4,11 +4,12 @@ steps, side by side in one Ray session.
     python -m bench.preflight_bench [--quick] [--json PATH]
 
 Why this ratio. The preflight runs the job itself (same placement, layout, data) for N steps,
-then once more for one step resumed from a checkpoint (the recovery row), and reads the data in
-the calling process first. So its cost is about two job starts plus N + 1 steps: the ratio
-says how much a user pays on top of the smoke steps themselves (goal <= 2.5: the second start
-must stay the only real extra). Runs alternate plain / preflight; each ratio is one pair, the
-reported one the median. Every preflight row's verdict is in the JSON context (all must pass).
+then resumes one step from storage into another layout and runs a few steps killed once and
+restored from memory (the recovery row), and reads the data in the calling process first. So
+its cost is three job starts plus N + 1 + min(N, 4) steps: the ratio says how much a user pays
+on top of the smoke steps themselves (goal <= 2.5 at the full run's 50 steps; `--quick`'s 8
+steps are too few for the starts not to dominate, so it reports without a goal). Runs
+alternate plain / preflight; each ratio is one pair, the reported one the median. Every preflight row's verdict is in the JSON context (all must pass).
 
 Links: on a `cluster_utils` cluster of two nodes (dp2 x tp2, a tp group inside each node) the
 links check runs K times healthy (goal: no warning in any) and K times with chaos `slow` on
@@ -86,7 +87,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tenax-preflight-") as root, local_ray(gpus=2):
         runs = [one_pair(root, steps) for _ in range(pairs)]
     ratios = [r["preflight_s"] / r["plain_s"] for r in runs]
-    report.add(f"preflight ÷ plain job, {steps} steps", statistics.median(ratios), "<= 2.5",
+    report.add(f"preflight ÷ plain job, {steps} steps", statistics.median(ratios),
+               "" if args.quick else "<= 2.5",
                note=f"median of {pairs} pair(s)")
     report.add("plain job (context)", statistics.median(r["plain_s"] for r in runs), unit="s")
     report.add("preflight (context)", statistics.median(r["preflight_s"] for r in runs),
