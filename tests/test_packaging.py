@@ -48,3 +48,18 @@ def test_the_wheel_holds_every_package_under_tenax_only(tmp_path: Path) -> None:
     missing = sorted(p for p in packages if f"tenax/{p}/__init__.py" not in names)
     assert missing == [], f"packages missing from the wheel: {missing}"
     assert "tenax/v1/jobs_pb2.py" in names and "tenax/v1/jobs.proto" in names
+    # a stale module in a build directory (one a rename left behind) must not ride along
+    extra = sorted(n for n in names if n.endswith(".py") and not source_of(n).is_file())
+    assert extra == [], (f"modules in the wheel with no source file: {extra} (setuptools "
+                         "copies what an earlier build left in build/: remove it)")
+
+
+def source_of(name: str) -> Path:
+    """The file in the repository a wheel member `tenax/...` was built from (setup.py's
+    package_dir: each role folder and proto/tenax/v1 sit under `tenax`)."""
+    parts = name.split("/")[1:]
+    if parts and parts[0] in ROLES:
+        return REPO.joinpath(*parts)
+    if parts and parts[0] == "v1":
+        return REPO.joinpath("proto", "tenax", *parts)
+    return REPO.joinpath("tenax", *parts)
