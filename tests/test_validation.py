@@ -55,7 +55,7 @@ def plain_eval_loss(params: dict[str, torch.Tensor], uri: str, extra: list[str])
     """Independent reference: the windows read with numpy, a plain model, F.cross_entropy."""
     spec = tiny_spec(extra)
     model = build_model(spec.model.args(), spec.train.seed)
-    model.load_state_dict(params, strict=False)
+    model.load_state_dict(params)  # strict: every weight trained, or it would score the init
     tokens = np.fromfile(uri.removeprefix("file://"), dtype="<u2").astype(np.int64)
     losses = []
     with torch.no_grad():
