@@ -177,9 +177,9 @@ def format_validation_error(err: ValidationError, max_lines: int = 20) -> str:
     for e in errors[:max_lines]:
         path = ".".join(str(part) for part in e["loc"])[:200]
         msg = e["msg"].removeprefix("Value error, ")
-        if path:
+        if path and not msg.startswith((f"{path}.", f"{path}:")):
             lines.append(f"{path}: {msg} (got {short(e.get('input'))})")
-        else:
+        else:  # a section's own check names its field and value already
             lines.append(msg)
     if len(errors) > max_lines:
         lines.append(f"... and {len(errors) - max_lines} more problems")
