@@ -51,7 +51,9 @@ def wait_for_profile(client: Client, job_id: str, request: int) -> dict[str, Any
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace of a service job's next steps")
     p.add_argument("job_id")
-    p.add_argument("--steps", type=int, required=True, help="how many steps to record")
+    from tenax.orchestrator.cli.preflight import at_least_one
+
+    p.add_argument("--steps", type=at_least_one, required=True, help="how many steps to record")
     p.add_argument("--wait", action="store_true",
                    help="wait until the traces are written and print where")
     client_flags(p)
