@@ -129,6 +129,12 @@ class Trainer:
         for part in self.parts:
             init_weights(part, self.spec.train.seed)
 
+    def checkpoint_facts(self) -> dict[str, Any]:
+        """What a manifest records of the job (plain values: the checkpoint layer does not
+        read this layer's spec model): its seed, and the spec (`tenax export hf` reads it)."""
+        return {"seed": self.spec.train.seed,
+                "spec": self.spec.model_dump(mode="json", by_alias=True)}
+
     def attention_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Keyword inputs of the model for tokens `x`: per-document positions and block-causal
         mask with data.document_mask, else none (the layout's positions, plain causal)."""

@@ -89,9 +89,7 @@ class TrainerState:
         t = self.trainer
         return {"layout": t.layout.degrees(), "parallel": t.layout.to_dict(),
                 "data_cursor": int(t.loader.state_dict()["samples_consumed"]),
-                "seed": t.spec.train.seed,
-                # the job spec travels with the checkpoint (`tenax export hf` reads it)
-                "spec": t.spec.model_dump(mode="json", by_alias=True)}
+                **t.checkpoint_facts()}  # seed and spec: the spec travels with the checkpoint
 
 
 def manifest_fields(state: Any, job: str, model_hash: str) -> dict[str, Any]:
