@@ -64,7 +64,7 @@ def rss_bytes() -> int:
 
 
 # ---- an override cannot exhaust the server --------------------------------------------
-@pytest.mark.slow  # 1000 submissions
+@pytest.mark.slow  # an in-process gRPC server
 def test_alias_bomb_override_is_refused_with_a_short_message(server: dict[str, Any]) -> None:
     before = rss_bytes()
     code, details = submit_code(server["stub"], "{}", [BOMB])
@@ -84,7 +84,7 @@ def test_a_long_bad_value_is_echoed_as_a_short_prefix() -> None:
 
 
 # ---- numbers must fit their wire type ----------------------------------------------
-@pytest.mark.slow  # 1000 submissions
+@pytest.mark.slow  # an in-process gRPC server
 @pytest.mark.parametrize("override", ["train.steps=9223372036854775808",
                                       "train.steps=100000000", "resources.nodes=2147483648",
                                       "resources.gpus_per_node=4294967296",
@@ -99,7 +99,7 @@ def test_numbers_beyond_their_wire_type_are_refused_and_nothing_stored(
     assert s.ListJobs(pb.ListJobsRequest(), timeout=30).jobs == before  # listing still works
 
 
-@pytest.mark.slow  # 1000 submissions
+@pytest.mark.slow  # an in-process gRPC server
 def test_a_json_spec_with_a_huge_step_count_is_refused(server: dict[str, Any]) -> None:
     code, details = submit_code(server["stub"], json.dumps({"train": {"steps": 2**63}}), [])
     assert code == INVALID and "train.steps" in details
@@ -146,7 +146,7 @@ def test_two_spellings_of_one_root_overlap(tmp_path: Path) -> None:
     assert canonical_uri("S3://b/p/./q").path == "b/p/q"
 
 
-@pytest.mark.slow  # 1000 submissions
+@pytest.mark.slow  # an in-process gRPC server
 def test_the_server_refuses_uris_outside_its_roots(server: dict[str, Any],
                                                    tmp_path: Path) -> None:
     s, state = server["stub"], server["state"]
@@ -161,7 +161,7 @@ def test_the_server_refuses_uris_outside_its_roots(server: dict[str, Any],
     assert s.ListJobs(pb.ListJobsRequest(), timeout=30).jobs == []
 
 
-@pytest.mark.slow  # 1000 submissions
+@pytest.mark.slow  # an in-process gRPC server
 def test_files_that_validation_opens_are_root_checked_before_they_are_opened(
         server: dict[str, Any], tmp_path: Path) -> None:
     """A tokenizer (read for `vocab_size: auto`) or `init_from` outside the roots is refused
