@@ -9,7 +9,8 @@ restored from memory (the recovery row), and reads the data in the calling proce
 its cost is three job starts plus N + 1 + min(N, 4) steps: the ratio says how much a user pays
 on top of the smoke steps themselves (goal <= 2.5 at the full run's 50 steps; `--quick`'s 8
 steps are too few for the starts not to dominate, so it reports without a goal). Runs
-alternate plain / preflight; each ratio is one pair, the reported one the median. Every preflight row's verdict is in the JSON context (all must pass).
+alternate plain / preflight; each ratio is one pair, the reported one the median. Every
+preflight row's verdict is in the JSON context (all must pass).
 
 Links: on a `cluster_utils` cluster of two nodes (dp2 x tp2, a tp group inside each node) the
 links check runs K times healthy (goal: no warning in any) and K times with chaos `slow` on

@@ -30,7 +30,7 @@ from tenax.orchestrator.timeouts import STARTUP_HANG_FACTOR, Timeouts
 
 if TYPE_CHECKING:
     from tenax.orchestrator.job.health import StragglerFlag
-    from tenax.orchestrator.placement.worker_group import RankHealth
+    from tenax.orchestrator.placement.rank_handle import RankHealth
     from tenax.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """tenax.orchestrator.placement — where a job's ranks run and where they resume from.
 
-- `WorkerGroup`: one Ray agent per GPU slot in STRICT_PACK placement groups; heartbeats
-  (`RankHealth`), start, stop, shutdown.
+- `WorkerGroup`: one Ray agent per GPU slot in STRICT_PACK placement groups; heartbeats,
+  start, stop, shutdown. Its view of a rank (rank_handle.py): `RankHandle`, `RankHealth`
+  (what the policies read), `progressed` (what restarts a rank's hang clock).
 - `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
 - Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?);
   `ray_nodes` (`NodesReader`): ray.nodes() with a deadline (`RayNodesTimeout`).
@@ -17,7 +18,8 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "worker_group": ("RankHealth", "WorkerGroup", "progressed"),
+    "rank_handle": ("PhaseMarks", "RankHandle", "RankHealth", "progressed"),
+    "worker_group": ("WorkerGroup",),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
     "capacity": ("Capacity", "NodeProbes", "NodesReader", "RayNodesTimeout", "cluster_capacity",
                  "ray_nodes"),

@@ -19,14 +19,16 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Protocol
+from dataclasses import replace
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tenax.orchestrator.errors import PlacementError
+from tenax.orchestrator.placement.rank_handle import (PhaseMarks, RankHandle, RankHealth,
+                                                      progressed)
 from tenax.orchestrator.placement.recovery import MemoryStart
 from tenax.parallel import ParallelLayout
 from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms, Zygote
@@ -34,50 +36,13 @@ from tenax.workers.tracking import TrackingStart
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["PhaseMarks", "RankHandle", "RankHealth", "WorkerGroup", "progressed"]
+
 
 AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
 ZYGOTE_RESTARTS = 3  # a zygote whose process died comes back (one import) this many times
 WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
 WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
-
-
-class PhaseMarks(Protocol):
-    """Where placement reports the cold start's phases as they complete (the job's goodput;
-    orchestrator/job/goodput_cold_start.py names them)."""
-
-    def mark(self, phase: str, at: float | None = None) -> None: ...
-
-
-@dataclass
-class RankHandle:
-    rank: int
-    actor: Any
-    node_id: str = ""
-    ip: str = ""
-    pid: int = 0
-    pending: Any = None  # in-flight heartbeat ObjectRef
-    pending_since: float = 0.0
-    last_reply: float = field(default_factory=time.monotonic)
-    n_events: int = 0
-    attempt: int = 0  # the training process this handle listens to (older replies are dropped)
-    step_seen_at: float = field(default_factory=time.monotonic)  # controller clock, no skew
-    status: dict[str, Any] = field(default_factory=dict)
-    dead: str | None = None  # why Ray says this actor is gone
-    watching: int = 0  # the attempt a `wait_ended` call is in flight for (0: none)
-    ended: int = 0  # the newest attempt seen ended through such a call
-
-
-@dataclass
-class RankHealth:
-    """What the policies see of one rank (pure data)."""
-    rank: int
-    node_id: str
-    dead: str | None
-    heartbeat_age_s: float
-    state: str
-    step: int
-    step_age_s: float  # since its step, state or progress last changed (`progressed`)
-    error: str | None
 
 
 class WorkerGroup:
@@ -382,13 +347,6 @@ class WorkerGroup:
         for block in self.blocks:
             self._remove_block(block)
         self.ranks, self.blocks = [], []
-
-
-def progressed(before: Mapping[str, Any], reply: Mapping[str, Any]) -> bool:
-    """A heartbeat shows work since the previous one: the step or the state changed, or the
-    agent noted more progress records (a validation run takes no step yet is no hang). The
-    rank's hang clock (`RankHealth.step_age_s`) restarts then."""
-    return any(reply.get(key) != before.get(key) for key in ("step", "state", "progress"))
 
 
 def _kill_quietly(actor: Any) -> None:
