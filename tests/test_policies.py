@@ -12,9 +12,10 @@ import pytest
 from tenax.orchestrator.chaos.faults import ChaosEvent, parse_chaos, validate_for_job
 from tenax.orchestrator.errors import ChaosError
 from tenax.orchestrator.job.health import StragglerFlag
-from tenax.orchestrator.job.job_policy import (Capacity, EvictionPolicy, FailurePolicy, JobAction,
-                                               JobSnapshot, Limits, NodeLossPolicy, ScalingPolicy,
-                                               decide)
+from tenax.orchestrator.job.job_policy import (EvictionPolicy, FailurePolicy, JobAction,
+                                               JobSnapshot, Limits, NodeLossPolicy, decide)
+from tenax.orchestrator.job.scaling_policy import ScalingPolicy
+from tenax.orchestrator.placement.capacity import Capacity
 from tenax.orchestrator.job.states import (DEADLINES, TRANSITIONS, JobState, next_state,
                                            state_diagram)
 from tenax.orchestrator.placement.worker_group import RankHealth

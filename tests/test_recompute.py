@@ -124,7 +124,7 @@ def test_ranks_run_the_level_the_plan_printed(monkeypatch: pytest.MonkeyPatch,
     """llama3-8b on 8 GPUs pinned to tp8: planned with the assumed 80 GiB, `none` fits; a 24 GiB
     card's own estimate says `full`. The ranks get `none` (what the plan printed), and a rank
     with 24 GiB keeps it and warns naming both."""
-    from tenax.orchestrator.job.job_policy import ScalingPolicy
+    from tenax.orchestrator.job.scaling_policy import ScalingPolicy
     from tenax.orchestrator.placement import placer as placer_module
     from tenax.orchestrator.placement.capacity import Capacity
     from tenax.orchestrator.presets import PRESETS

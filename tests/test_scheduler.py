@@ -5,8 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from tenax.orchestrator.job.job_policy import (Capacity, JobAction, allotted_capacity,
-                                               preempt_decision)
+from tenax.orchestrator.job.job_policy import JobAction
+from tenax.orchestrator.job.scaling_policy import allotted_capacity, preempt_decision
+from tenax.orchestrator.placement.capacity import Capacity
 from tenax.orchestrator.service.scheduling_policy import (Cluster, JobView, SchedulingSnapshot,
                                                           decide, never_fits)
 from tenax.orchestrator.service.scheduling_policy import SchedulingAction as A

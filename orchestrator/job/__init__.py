@@ -4,8 +4,8 @@
   and moves along `TRANSITIONS`; `ControllerOptions`, what its caller decides (job id, event
   sink, drills, the scheduler's allotment), handed over at construction.
 - The policy (pure): `decide(JobSnapshot) -> JobDecision` (a `JobAction` and its reason),
-  within `Limits`; `ScalingPolicy` (the layout for the nodes at hand), `restart_or_fail`,
-  `preempt_decision`, `allotted_capacity`.
+  within `Limits`, `restart_or_fail`; scaling_policy.py: `ScalingPolicy` (the layout for the
+  nodes at hand), `preempt_decision`, `allotted_capacity`.
 - States: `JobState`, `TRANSITIONS`, `DEADLINES` (each from the job's `Timeouts`),
   `next_state`, `state_diagram`.
 - Accounting: `JobProgress` (what the ranks' records say), `Goodput`; stragglers:
@@ -21,8 +21,9 @@ from tenax.faces import lazy_face
 _MODULES = {
     "controller": ("Controller",),
     "options": ("ControllerOptions",),
-    "job_policy": ("JobAction", "JobDecision", "JobSnapshot", "Limits", "ScalingPolicy",
-                   "allotted_capacity", "decide", "preempt_decision", "restart_or_fail"),
+    "job_policy": ("JobAction", "JobDecision", "JobSnapshot", "Limits", "decide",
+                   "restart_or_fail"),
+    "scaling_policy": ("ScalingPolicy", "allotted_capacity", "preempt_decision"),
     "states": ("DEADLINES", "TRANSITIONS", "JobState", "next_state", "state_diagram"),
     "progress": ("JobProgress",),
     "goodput": ("Goodput",),

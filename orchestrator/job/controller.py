@@ -44,12 +44,14 @@ from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
 from tenax.orchestrator.job.health_evidence import publish_stragglers
 from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
                                           ScaleRequest)
-from tenax.orchestrator.job.job_policy import (Capacity, JobAction, JobDecision, JobSnapshot,
-                                               Limits, ScalingPolicy, allotted_capacity, decide,
-                                               preempt_decision, restart_or_fail)
+from tenax.orchestrator.job.job_policy import (JobAction, JobDecision, JobSnapshot, Limits,
+                                               decide, restart_or_fail)
 from tenax.orchestrator.job.options import ControllerOptions, Observer, Subscriber
 from tenax.orchestrator.job.progress import JobProgress
+from tenax.orchestrator.job.scaling_policy import (ScalingPolicy, allotted_capacity,
+                                                   preempt_decision)
 from tenax.orchestrator.job.states import JobState, next_state, state_deadline_s
+from tenax.orchestrator.placement.capacity import Capacity
 from tenax.orchestrator.placement.placer import PLACEMENT_ERRORS, Placer
 from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
