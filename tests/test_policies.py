@@ -12,8 +12,9 @@ import pytest
 from tenax.orchestrator.chaos.faults import ChaosEvent, parse_chaos, validate_for_job
 from tenax.orchestrator.errors import ChaosError
 from tenax.orchestrator.job.health import StragglerFlag
-from tenax.orchestrator.job.job_policy import (EvictionPolicy, FailurePolicy, JobAction,
-                                               JobSnapshot, Limits, NodeLossPolicy, decide)
+from tenax.orchestrator.job.job_policy import (PEER_LOSS_GRACE_S, EvictionPolicy, FailurePolicy,
+                                               JobAction, JobSnapshot, Limits, NodeLossPolicy,
+                                               decide, peer_loss)
 from tenax.orchestrator.job.scaling_policy import ScalingPolicy
 from tenax.orchestrator.placement.capacity import Capacity
 from tenax.orchestrator.job.states import (DEADLINES, TRANSITIONS, JobState, next_state,
@@ -50,6 +51,26 @@ def test_root_cause_first_over_collateral_errors():
     assert d.action == JobAction.RESTART
     assert d.failed_ranks == (1, 0) and d.cause_kind == "dead"
     assert d.reason.startswith("rank 1 died")
+
+
+def test_a_fresh_peer_loss_waits_a_moment_for_its_root_cause():
+    """A killed rank's peer may report "connection closed" before the killed rank's agent
+    reports the death: blaming the peer would name the wrong rank, so that symptom alone waits
+    PEER_LOSS_GRACE_S; a real error, or the same symptom once older, restarts at once."""
+    gloo = "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+    policy = FailurePolicy()
+    fresh = snap(rank(0, state="failed", error=gloo, step_age_s=0.3), rank(1))
+    assert policy.make_decision(fresh).action == JobAction.CONTINUE
+    root = snap(rank(0, state="failed", error=gloo, step_age_s=0.3),
+                rank(1, state="failed", error="rank process killed by signal SIGKILL"))
+    d = policy.make_decision(root)
+    assert (d.action, d.failed_ranks, d.cause_kind) == (JobAction.RESTART, (1, 0), "dead")
+    old = snap(rank(0, state="failed", error=gloo, step_age_s=PEER_LOSS_GRACE_S + 0.1), rank(1))
+    d = policy.make_decision(old)
+    assert (d.action, d.failed_ranks, d.cause_kind) == (JobAction.RESTART, (0,), "error")
+    real = snap(rank(0, state="failed", error="ValueError: bad batch", step_age_s=0.3), rank(1))
+    assert policy.make_decision(real).action == JobAction.RESTART
+    assert peer_loss("NCCL communicator was aborted on rank 3") and not peer_loss(None)
 
 
 def test_heartbeat_timeout_and_hang():

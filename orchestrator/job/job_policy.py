@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENDED = ("done", "stopped")
+# A collective's error that says a peer went away: a symptom, whose root cause (a dead rank,
+# a lost node) its own agent reports a moment later (a loaded host schedules that agent later).
+PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "remote process exited", "communicator was aborted")
+PEER_LOSS_GRACE_S = 1.0  # how long such a symptom alone waits for its root cause to show
 
 
 class JobAction(str, Enum):
@@ -137,6 +142,20 @@ def rank_problem(r: "RankHealth", limits: Limits,
     return None
 
 
+def peer_loss(error: str | None) -> bool:
+    """An error that reports a collective's peer gone rather than a fault of this rank."""
+    text = (error or "").lower()
+    return any(words in text for words in PEER_LOSS)
+
+
+def only_fresh_symptoms(snap: JobSnapshot, ranks: set[int]) -> bool:
+    """Every failing rank reports a peer gone, for less than PEER_LOSS_GRACE_S: the rank or
+    node that is gone has not shown yet, and blaming these would name the wrong rank."""
+    failing = [r for r in snap.ranks if r.rank in ranks]
+    return all(r.state == "failed" and peer_loss(r.error) and r.step_age_s < PEER_LOSS_GRACE_S
+               for r in failing)
+
+
 def _stalled(snap: JobSnapshot) -> list[int]:
     """Ranks whose step has not advanced for half their hang limit. The ranks of a hang stall
     together but cross the limit a heartbeat poll apart: naming only the first to cross would
@@ -149,7 +168,7 @@ def _stalled(snap: JobSnapshot) -> list[int]:
 def _failure(snap: JobSnapshot, stopped_ok: bool) -> JobDecision | None:
     found = (rank_problem(r, snap.limits, stopped_ok) for r in snap.ranks)
     problems = sorted(p for p in found if p)
-    if not problems:
+    if not problems or only_fresh_symptoms(snap, {p[1] for p in problems}):
         return None
     _, root_rank, kind, root = problems[0]
     hung = sorted({p[1] for p in problems if p[2] == "hang"} | set(_stalled(snap)))
