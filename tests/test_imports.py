@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -368,3 +369,17 @@ def test_no_source_line_is_longer_than_100_characters(tmp_path: Path) -> None:
     fake = tmp_path / "fake.py"
     fake.write_text("x = 1\n" + "y = '" + "é" * 95 + "'\n")  # 101 characters, more bytes
     assert long_lines([fake], root=tmp_path) == ["fake.py:2 has 101 characters"]
+
+
+TIMING_FIELDS = re.compile(r"fault_tolerance\.(heartbeat_interval_s|heartbeat_timeout_s|"
+                           r"hang_timeout_s)")
+
+
+def test_the_orchestrator_reads_timing_fields_only_through_timeouts() -> None:
+    """orchestrator/timeouts.py derives every bound from the spec's timing fields once; a
+    module that read one by name would give a role its own rule."""
+    problems = [f"{p.relative_to(REPO)}:{i}" for p in python_files("orchestrator")
+                if p.name != "timeouts.py"
+                for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+                if TIMING_FIELDS.search(line)]
+    assert problems == [], problems

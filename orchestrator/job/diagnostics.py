@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.workers import Diagnosis, diagnose, diagnostics_location
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def hang_evidence(group: Any, spec: Any, decision: "JobDecision"
     if decision.cause_kind != "hang" or group is None or not group.ranks:
         return decision, {}
     start = time.monotonic()
-    timeout_s = max(AGENT_DUMP_S + 1.0, spec.fault_tolerance.heartbeat_timeout_s)
+    timeout_s = max(AGENT_DUMP_S + 1.0, Timeouts.from_spec(spec).probe_s)
     location, stacks = collect_stacks(list(group.ranks), spec.checkpoint.uri,
                                       decision.cause_kind, timeout_s)
     named = named_by_stacks(decision, stacks)

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from tenax.orchestrator.job.diagnostics import ask_agents
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.workers import EVIDENCE_FILE, diagnostics_location, join_samples
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def straggler_evidence(group: Any, spec: Any, flags: Sequence[Any],
         roles[healthy] = "healthy"
     handles = [h for h in group.ranks if h.rank in roles]
     location = diagnostics_location(spec.checkpoint.uri, "straggler")
-    deadline_s = max(MIN_DEADLINE_S, spec.fault_tolerance.heartbeat_timeout_s)
+    deadline_s = max(MIN_DEADLINE_S, Timeouts.from_spec(spec).probe_s)
     meta = {"cause": "straggler", "roles": {str(r): role for r, role in roles.items()},
             "scores": {str(f.rank): f.score for f in flags}}
     threading.Thread(target=keep_samples, args=(handles, location, meta, deadline_s),

@@ -24,6 +24,7 @@ from tenax.orchestrator.placement.host_memory import (SnapshotMemoryPlan, plan_s
 from tenax.orchestrator.placement.recovery import MemoryRecovery, MemoryStart, PreparedRestore
 from tenax.orchestrator.placement.worker_group import PhaseMarks, WorkerGroup
 from tenax.orchestrator.spec import spec_for_ranks
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.parallel import ParallelLayout
 from tenax.workers import RankChaos, new_job_secret
 from tenax.workers.tracking import TrackingStart
@@ -57,7 +58,7 @@ class Placer:
         self.off_reason = ""  # why the ranks turned snapshots off while running (said once)
         self.secret = new_job_secret()  # the job's replica secret: to its agents, never logged
         self.memory = MemoryRecovery(job_id, spec.checkpoint.uri,
-                                     spec.fault_tolerance.heartbeat_timeout_s, timeout_s)
+                                     Timeouts.from_spec(spec).probe_s, timeout_s)
 
     def _plan_memory(self, layout: ParallelLayout) -> str:
         """Decide this placement's snapshots: only where they fit the nodes' memory (never an

@@ -17,6 +17,7 @@ from tenax.orchestrator.preflight.links import (SLOW_GROUP_SHARE, assumed_Bps, g
                                                 link_tasks, links_row, node_names,
                                                 planner_sizes)
 from tenax.orchestrator.preflight.rows import Row
+from tenax.orchestrator.timeouts import Timeouts
 from tenax.workers import LinkProbe
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def measure_links(spec: Any, layout: Any, chaos: Sequence[Any] = (), job_nodes: 
         try:
             results, node_ids = run_probes(
                 layout.world_size, gpn, [t.to_dict() for t in tasks],
-                spec.fault_tolerance.hang_timeout_s,
+                Timeouts.from_spec(spec).hang_timeout_s,
                 slow_factors(chaos, layout.world_size, gpn), spec.resources.device, targets)
         except Exception as err:  # noqa: BLE001 - any probe failure is the row's finding
             logger.warning("links probe failed: %s", err)

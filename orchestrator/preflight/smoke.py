@@ -26,6 +26,7 @@ from tenax.orchestrator.preflight.data import data_row
 from tenax.orchestrator.preflight.recovery import recovery_check
 from tenax.orchestrator.preflight.rows import (Row, memory_plan_row, memory_row, overall,
                                                progress_row, slow_ranks, throughput_row)
+from tenax.orchestrator.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def run_preflight(spec: Any, steps: int | None = None,
     report = preflight_once(spec, n, options)
     if spec.resources.exclude_slow_nodes and report.slow_node:
         report = screened(report, lambda: preflight_once(spec, n, options),
-                          spec.fault_tolerance.hang_timeout_s)
+                          Timeouts.from_spec(spec).hang_timeout_s)
     if publish is not None:
         publish("preflight", report.to_dict())
     return report
