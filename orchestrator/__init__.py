@@ -24,8 +24,9 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "errors": ("ChaosError", "PlacementError", "ProfileUnavailable", "RayNodesTimeout", "RpcAbort",
-               "RpcFailed", "StorageRootError", "StoreError", "SubmitError"),
+    "errors": ("ChaosError", "PlacementError", "PreflightInterrupted", "ProfileUnavailable",
+               "RayNodesTimeout", "RpcAbort", "RpcFailed", "StorageRootError", "StoreError",
+               "SubmitError"),
     "spec": ("JobSpec", "SpecError", "load_spec", "parse_spec_text", "plan_for_spec",
              "spec_from_dict"),
     "presets": ("PRESETS", "preset_model"),

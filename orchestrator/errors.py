@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChaosError", "PlacementError", "ProfileUnavailable", "RayNodesTimeout", "RpcAbort",
-           "RpcFailed", "StorageRootError", "StoreError", "SubmitError"]
+__all__ = ["ChaosError", "PlacementError", "PreflightInterrupted", "ProfileUnavailable",
+           "RayNodesTimeout", "RpcAbort", "RpcFailed", "StorageRootError", "StoreError",
+           "SubmitError"]
 
 
 class ChaosError(ValueError):
@@ -26,6 +27,10 @@ class ChaosError(ValueError):
 
 class PlacementError(RuntimeError):
     """The GPUs asked for could not be placed within the timeout."""
+
+
+class PreflightInterrupted(Exception):
+    """Ctrl-C (or the caller's stop) ended a scratch job: no verdict, and no run after it."""
 
 
 class ProfileUnavailable(RuntimeError):

@@ -11,6 +11,7 @@ would fail as well.
 from __future__ import annotations
 
 import ast
+import builtins
 import os
 import re
 import subprocess
@@ -383,3 +384,27 @@ def test_the_orchestrator_reads_timing_fields_only_through_timeouts() -> None:
                 for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
                 if TIMING_FIELDS.search(line)]
     assert problems == [], problems
+
+
+def exception_classes(paths: list[Path], root: Path = REPO) -> list[str]:
+    """Exception classes defined outside a package's errors.py (a class whose base's name ends
+    in Error or Exception, or is one of the builtin exceptions)."""
+    builtin = {name for name in dir(builtins) if name.endswith(("Error", "Exception"))}
+    found = []
+    for p in paths:
+        if p.name == "errors.py" or p.name.endswith("_pb2.py"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                    ast.unparse(b).split(".")[-1].endswith(("Error", "Exception", "Interrupted"))
+                    or ast.unparse(b) in builtin for b in node.bases):
+                found.append(f"{p.relative_to(root)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_exceptions_live_in_each_packages_errors_module(tmp_path: Path) -> None:
+    problems = exception_classes(python_files(*LAYERS))
+    assert problems == [], problems
+    (tmp_path / "x.py").write_text("class A(ValueError): ...\nclass B(faults.ChaosError): ...\n"
+                                   "class C: ...\n")
+    assert exception_classes([tmp_path / "x.py"], root=tmp_path) == ["x.py:1 A", "x.py:2 B"]

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Sequence
 
+from tenax.orchestrator.errors import PreflightInterrupted
 from tenax.orchestrator.preflight.data import data_row
 from tenax.orchestrator.preflight.recovery import recovery_check
 from tenax.orchestrator.preflight.rows import (Row, memory_plan_row, memory_row, overall,
@@ -32,10 +33,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 20  # without --steps and without spec.preflight
 Guard = Callable[[Any], ContextManager[None]]  # wraps a scratch Controller's run
-
-
-class PreflightInterrupted(Exception):
-    """Ctrl-C (or the caller's stop) ended a scratch job: no verdict, and no run after it."""
 
 
 @dataclass

@@ -14,13 +14,13 @@ from __future__ import annotations
 from tenax.faces import lazy_face
 
 _MODULES = {
-    "config": ("HFConfigError", "check_model_section", "dropless_note", "hf_config_from_model",
+    "errors": ("ExportError", "HFConfigError", "HFLoadError", "NameMapError", "SafetensorsError"),
+    "config": ("check_model_section", "dropless_note", "hf_config_from_model",
                "model_fields_from_hf", "read_hf_config"),
-    "names": ("NameMapError", "hf_name", "hf_parts", "is_stacked_expert", "tenax_name"),
-    "safetensors_io": ("SafetensorsError", "StreamingWriter", "read_index", "read_tensor"),
-    "export": ("ExportError", "export_hf"),
-    "load": ("ExpertStack", "HFLoadError", "check_hf_weights", "check_init_from",
-             "load_hf_into"),
+    "names": ("hf_name", "hf_parts", "is_stacked_expert", "tenax_name"),
+    "safetensors_io": ("StreamingWriter", "read_index", "read_tensor"),
+    "export": ("export_hf",),
+    "load": ("ExpertStack", "check_hf_weights", "check_init_from", "load_hf_into"),
 }
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, _MODULES)

@@ -18,6 +18,8 @@ import logging
 import math
 from typing import Any
 
+from tenax.workers.hf.errors import HFConfigError
+
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
@@ -33,10 +35,6 @@ MODEL_TYPES = ("llama", "mixtral")
 # The MoE keys a Mixtral config fixes (spec key -> HF key); capacity_factor and aux_loss_coef
 # are Tenax's training choices and stay the spec's.
 MOE_KEYS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
-
-
-class HFConfigError(ValueError):
-    """A config.json that Tenax cannot map, or one that disagrees with the job spec."""
 
 
 def join_uri(root: str, name: str) -> str:

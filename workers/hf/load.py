@@ -24,15 +24,12 @@ import torch
 from torch import nn
 
 from tenax.parallel import ModelArgs, Transformer, canonical_param_name
+from tenax.workers.hf.errors import HFLoadError
 from tenax.workers.hf.names import NameMapError, hf_parts, is_stacked_expert
 from tenax.workers.hf.safetensors_io import (SafetensorsError, TensorEntry, read_index,
                                              read_tensor)
 
 logger = logging.getLogger(__name__)
-
-
-class HFLoadError(ValueError):
-    """The HF weights of `model.init_from` cannot initialise this model (says which and why)."""
 
 
 @dataclass(frozen=True)

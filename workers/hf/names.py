@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import re
 
+from tenax.workers.hf.errors import NameMapError
+
 logger = logging.getLogger(__name__)
 
 # Tenax's name of a block's sub-module -> HF's, under `layers.{i}.` / `model.layers.{i}.`.
@@ -49,13 +51,6 @@ HF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
 HF_TOP = {v: k for k, v in TOP_NAMES.items()}
 _TENAX_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-class NameMapError(KeyError):
-    """A parameter name with no counterpart (or a stacked expert asked for one name)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def hf_name(name: str) -> str:

@@ -19,6 +19,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from tenax.workers.hf.errors import SafetensorsError
+
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -27,10 +29,6 @@ MAX_HEADER = 100 << 20
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "F64": torch.float64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class SafetensorsError(ValueError):
-    """A safetensors file or index that cannot be used (names the file and the problem)."""
 
 
 @dataclass(frozen=True)

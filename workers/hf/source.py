@@ -18,13 +18,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from tenax.checkpoint import Catalog, Storage, spec_hash, version_name
 from tenax.checkpoint.load import RawReader
+from tenax.workers.hf.errors import ExportError
 from tenax.workers.hf.names import layer_order
 
 logger = logging.getLogger(__name__)
-
-
-class ExportError(ValueError):
-    """Why a checkpoint cannot be exported (names the checkpoint, the step or the key)."""
 
 
 def find_manifest(catalog: Catalog, step: int | None) -> Any:
