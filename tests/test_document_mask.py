@@ -243,3 +243,22 @@ def test_mask_eos_loss_parity_under_pp_and_cp(tmp_path: Path, layout: dict) -> N
     plain = run_ranks(train_job, 1, {"micro_batch_size": 1}, "sgd", 1,
                       [f"data.source={data}", "train.lr=0.5", "model.n_layers=4"])[0]
     assert abs(plain["loss"][0] - ref["loss"][0]) > 1e-4  # EOS targets did drop out
+
+
+def test_a_validation_set_is_checked_like_the_training_data(tmp_path: Path) -> None:
+    """The validation loss applies the document mask too: a validation set whose documents
+    end in another EOS is refused when the validator opens it, naming it."""
+    from tenax.workers.evaluation import Validator
+
+    def docs(name: str, eos: int) -> str:
+        rng = np.random.default_rng(eos)
+        with IndexedDatasetWriter(str(tmp_path / name), np.uint16) as writer:
+            for _ in range(80):
+                writer.add_document(rng.integers(1, EOS, size=12).tolist() + [eos])
+        return str(tmp_path / name)
+
+    good, bad = docs("good", EOS), docs("bad", 0)
+    extra = [f"data.source={good}", "data.document_mask=true", f"data.eos_id={EOS}"]
+    assert Validator(tiny_spec(extra + [f"data.validation={{uri: '{good}', steps: 1}}"]))
+    with pytest.raises(ValueError, match=f"documents of {bad!r} do not end with eos id {EOS}"):
+        Validator(tiny_spec(extra + [f"data.validation={{uri: '{bad}', steps: 1}}"]))

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tenax.parallel import cross_entropy_sum
-from tenax.workers.data import open_uri
+from tenax.workers.data import check_document_ends, open_uri
 from tenax.workers.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class Validator:
             raise ValueError(f"data.validation.uri: {val.uri!r} holds {self.source.num_samples} "
                              f"windows of model.seq_len+1={self.seq_len + 1} tokens, fewer than "
                              f"data.validation.steps * train.global_batch_size = {needed}")
+        check_document_ends(spec.data, [self.source])  # its documents are masked alike
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> "Validator | None":
