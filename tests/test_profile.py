@@ -181,7 +181,7 @@ def test_a_request_names_the_steps_or_the_state_that_refuses_it():
 @pytest.mark.slow  # a service, a Ray cluster and a job
 @pytest.mark.timeout(600)
 def test_tenax_profile_records_the_next_steps_of_a_service_job(tmp_path: Path):
-    from tests.service_helpers import submit, stub, watch
+    from tests.service_helpers import code_of, submit, stub, watch
 
     from tenax.orchestrator.service.jobs import JobManager
     from tenax.orchestrator.service.server import JobServer, ServerOptions
@@ -202,8 +202,11 @@ def test_tenax_profile_records_the_next_steps_of_a_service_job(tmp_path: Path):
             watch(s, [], job_id, timeout_s=180, until=lambda e: e["kind"] == "step")
             where = f"127.0.0.1:{server.port}"
             bad = run_cli(["profile", job_id, "--steps", "0", "--server", where])
-            assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr, bad.stderr
-            assert "steps: 0" in bad.stderr
+            assert bad.returncode == 2 and "--steps: must be at least 1" in bad.stderr, \
+                bad.stderr  # the CLI refuses before calling
+            code, details = code_of(lambda: s.ProfileJob(
+                pb.ProfileJobRequest(job_id=job_id, steps=0), timeout=30))
+            assert code.name == "INVALID_ARGUMENT" and "steps: 0" in details, (code, details)
             done = run_cli(["profile", job_id, "--steps", "3", "--wait", "--server", where],
                            timeout_s=240)
             s.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=10)
