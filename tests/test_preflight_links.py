@@ -140,6 +140,7 @@ def test_the_node_named_most_is_singled_out_and_ties_name_none():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two preflights (three job starts each) and the job
 def test_exclude_slow_nodes_replaces_the_job_without_the_named_node(tmp_path):
     """Three raylets, a two-node job: the first preflight names the node of the slowed ranks;
     that node is held from the job, the preflight repeated runs on the two others, and the
