@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from tenax.orchestrator.placement import capacity
-from tenax.orchestrator.placement.capacity import NodesReader, RayNodesTimeout
+from tenax.orchestrator.errors import RayNodesTimeout
+from tenax.orchestrator.placement.nodes_reader import NodesReader
 from tenax.orchestrator.service import scheduler
 
 NODE = {"NodeID": "n1", "Alive": True, "Resources": {"GPU": 2.0},

@@ -5,7 +5,8 @@
   (what the policies read), `progressed` (what restarts a rank's hang clock).
 - `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
 - Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?);
-  `ray_nodes` (`NodesReader`): ray.nodes() with a deadline (`RayNodesTimeout`).
+  `ray_nodes` (`NodesReader`, nodes_reader.py, also read by host_memory.py): ray.nodes() with
+  a deadline (`RayNodesTimeout`).
 - Recovery source: `choose_recovery_source` (pure: memory, replica or storage) over
   `SnapshotPiece`s into a `RecoverySource`; `MemoryRecovery`, `MemoryStart`.
 - Host memory: `plan_snapshot_memory` (do in-memory snapshots fit the nodes?),
@@ -21,8 +22,8 @@ _MODULES = {
     "rank_handle": ("PhaseMarks", "RankHandle", "RankHealth", "progressed"),
     "worker_group": ("WorkerGroup",),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
-    "capacity": ("Capacity", "NodeProbes", "NodesReader", "RayNodesTimeout", "cluster_capacity",
-                 "ray_nodes"),
+    "capacity": ("Capacity", "NodeProbes", "cluster_capacity", "ray_nodes"),
+    "nodes_reader": ("NodesReader", "RayNodesTimeout"),
     "recovery_policy": ("RecoverySource", "SnapshotPiece", "choose_recovery_source"),
     "recovery": ("MemoryRecovery", "MemoryStart"),
     "host_memory": ("plan_snapshot_memory", "ray_node_memory_bytes", "snapshot_tmpfs_room"),

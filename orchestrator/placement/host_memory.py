@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Union
 
 from tenax.checkpoint.memory import SNAPSHOT_ENV
+from tenax.orchestrator.errors import RayNodesTimeout
+from tenax.orchestrator.placement.nodes_reader import NodesReader
 from tenax.parallel import ParallelLayout, human_bytes, snapshot_footprint
 from tenax.workers import JobSpec
 
@@ -174,37 +173,7 @@ def _alive_memory(nodes: Iterable[Mapping[str, Any]], wanted: set[str] | None
     return out
 
 
-class _NodesCall:
-    """ray.nodes() on a daemon thread, one call at a time: callers arriving while one is in
-    flight wait on that same call, so a hung GCS costs one stuck thread, not one per placement.
-    (capacity.NodesReader does the same, but that module imports ray at once, and the plan's
-    CLI reads this one without Ray.)"""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._call: Future | None = None
-
-    def nodes(self, timeout_s: float) -> Any:
-        """Ray's node table; FutureTimeout when late, ray.nodes()'s own error when it fails."""
-        with self._lock:
-            if self._call is None or self._call.done():
-                self._call = Future()
-                threading.Thread(target=self._run, args=(self._call,), daemon=True,
-                                 name="tenax-node-memory").start()
-            call = self._call
-        return call.result(timeout=timeout_s)
-
-    @staticmethod
-    def _run(call: Future) -> None:
-        try:
-            import ray
-
-            call.set_result(ray.nodes())
-        except BaseException as err:  # handed to the waiting callers
-            call.set_exception(err)
-
-
-_NODES = _NodesCall()
+_NODES = NodesReader()  # its own reader: capacity.py's imports Ray at module load
 
 
 def ray_node_memory_bytes(node_ids: Iterable[str] | None = None,
@@ -218,7 +187,7 @@ def ray_node_memory_bytes(node_ids: Iterable[str] | None = None,
     wanted = None if node_ids is None else {str(n) for n in node_ids}
     try:
         nodes = _NODES.nodes(timeout_s)
-    except FutureTimeout:
+    except RayNodesTimeout:
         logger.warning("node memory unknown: ray.nodes() did not answer within %s s", timeout_s)
         return None
     except Exception as err:  # noqa: BLE001 - any failure means "unknown", said here

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tenax.orchestrator.placement.capacity import RayNodesTimeout, ray_nodes
+from tenax.orchestrator.errors import RayNodesTimeout
+from tenax.orchestrator.placement.capacity import ray_nodes
 from tenax.orchestrator.service.scheduling_policy import (Cluster, JobView, SchedulingAction,
                                                           SchedulingDecision, SchedulingSnapshot,
                                                           decide, never_fits)
