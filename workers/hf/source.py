@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from tenax.checkpoint import Catalog, Storage, spec_hash, version_name
@@ -93,13 +92,11 @@ def job_spec_of(manifest: Any, spec: dict[str, Any] | None, uri: str) -> dict[st
 
 def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> shape, in HF file order (tied head counted once)."""
-    from tenax.parallel import Transformer
+    from tenax.workers.hf.load import model_names
     from tenax.workers.spec import ModelSpec
 
-    with torch.device("meta"):
-        built = Transformer(ModelSpec.model_validate(model).args())
-    params = dict(built.named_parameters())
-    return {n: tuple(params[n].shape) for n in sorted(params, key=layer_order)}
+    shapes = model_names(ModelSpec.model_validate(model).args())
+    return {n: shapes[n] for n in sorted(shapes, key=layer_order)}
 
 
 def check_stored(shapes: dict[str, tuple[int, ...]], metadata: Metadata, where: str) -> None:
