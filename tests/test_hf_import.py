@@ -96,15 +96,47 @@ def test_resumed_job_ignores_init_from(tmp_path: Path) -> None:
         torch.testing.assert_close(value, hf_params[hf_name(key)].detach(), rtol=0, atol=0)
 
 
-def resume_job(rank: int, world: int, uri: str, extra: list[str]) -> dict[str, Any]:
-    """What the rank loop does on a restart: build without init, resume or initialise."""
+def test_resume_after_init_from_is_deleted(tmp_path: Path) -> None:
+    """Weeks into a run the HF directory may be gone: the job resumes from its checkpoint, the
+    model keys from_hf took coming from the checkpoint's saved spec. A fresh job still names
+    the missing config.json."""
+    import shutil
+
+    from tenax.workers.spec import load_spec
+
+    path = tmp_path / "hf"
+    hf_jobs.random_hf_model(path)
+    uri = f"file://{tmp_path}/ckpt"
+    saved = run_ranks(hf_jobs.save_job, 1, uri, {"dp": 1}, [f"model.init_from={path}"])[0]
+    shutil.rmtree(path)
+    # the shape only from_hf knew: every model key left to the (now gone) config.json
+    minimal = [x for x in hf_jobs.HF_TINY if not x.startswith("model.")] + \
+        [f"model.init_from={path}", "model.from_hf=true"]
+    spec = load_spec(overrides=minimal + [f"checkpoint.uri={uri}"])
+    assert spec.model.init_from is None
+    assert (spec.model.dim, spec.model.n_layers, spec.model.vocab_size) == (64, 2, 128)
+    out = run_ranks(resume_job, 1, uri, minimal, False)[0]
+    assert out["resumed"] == 1
+    for key, value in saved.items():
+        torch.testing.assert_close(out["params"][key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="config.json"):
+        load_spec(overrides=minimal + [f"checkpoint.uri=file://{tmp_path}/empty"])
+
+
+def resume_job(rank: int, world: int, uri: str, extra: list[str],
+               tiny: bool = True) -> dict[str, Any]:
+    """What the rank loop does on a restart: build without init, resume or initialise.
+    `tiny`: the spec is HF_TINY + `extra`, else `extra` alone."""
     from tenax.checkpoint.manager import CheckpointManager
     from tenax.parallel.layout import ParallelLayout
     from tenax.workers.checkpoint_config import checkpoint_config
     from tenax.workers.memory_options import begin_rank
     from tenax.workers.trainer import Trainer
 
-    spec = hf_jobs.hf_spec(extra + [f"checkpoint.uri={uri}"])
+    from tenax.workers.spec import load_spec
+
+    overrides = extra + [f"checkpoint.uri={uri}"]
+    spec = hf_jobs.hf_spec(overrides) if tiny else load_spec(overrides=overrides)
     trainer = Trainer(spec, ParallelLayout(micro_batch_size=1), initialise=False)
     with CheckpointManager(checkpoint_config(spec), trainer, rank, world, timeout_s=60) as mgr:
         resumed, _ = begin_rank(mgr, trainer, None, True, rank, world)

@@ -86,7 +86,9 @@ class JobSpec(StrictSection):
     @model_validator(mode="before")
     @classmethod
     def _auto_vocab(cls, raw: Any) -> Any:
-        return resolve_vocab_size(raw)
+        from tenax.workers.hf.resume import without_lost_source
+
+        return resolve_vocab_size(without_lost_source(raw))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobSpec":

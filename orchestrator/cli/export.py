@@ -3,11 +3,12 @@
 Writes a committed checkpoint, saved in any layout, as a directory that
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` (`MixtralForCausalLM` for a model with
 `moe`) loads: config.json, safetensors (sharded
-past --shard-size with model.safetensors.index.json) and the job's tokenizer files. Reads only
-the checkpoint; the job spec comes from the version's manifest. A --spec supplies what the
-checkpoint lacks (the tokenizer, or the whole spec for checkpoints saved before the spec
-travelled with them) and is refused when its model section is not the checkpoint's. Exit codes:
-0 written, 2 bad input, unreadable storage or an unwritable --out.
+past --shard-size with model.safetensors.index.json) and the job's tokenizer files. Reads the
+checkpoint (and, when readable, the config.json of the job's model.init_from, for the keys no
+model key holds, e.g. max_position_embeddings); the job spec comes from the version's manifest.
+A --spec supplies what the checkpoint lacks (the tokenizer, or the whole spec for checkpoints
+saved before the spec travelled with them) and is refused when its model section is not the
+checkpoint's. Exit codes: 0 written, 2 bad input, unreadable storage or an unwritable --out.
 """
 from __future__ import annotations
 

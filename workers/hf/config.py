@@ -35,6 +35,8 @@ MODEL_TYPES = ("llama", "mixtral")
 # The MoE keys a Mixtral config fixes (spec key -> HF key); capacity_factor and aux_loss_coef
 # are Tenax's training choices and stay the spec's.
 MOE_KEYS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
+# config.json keys no model key fixes; an export keeps the source's (inherited_from_source).
+INHERITED_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id")
 
 
 def join_uri(root: str, name: str) -> str:
@@ -186,18 +188,54 @@ def dropless_note(moe: dict[str, Any]) -> tuple[bool, str]:
                   f"HF computes (capacity_factor >= {bound:g} guarantees no drops)")
 
 
+def inherited_from_source(model: dict[str, Any], init_from: str | None) -> dict[str, Any]:
+    """The config.json keys a model section cannot hold (INHERITED_KEYS), from the HF
+    directory the job started from (`init_from`) while it is readable and still describes
+    `model`; {} otherwise. Why: e.g. Llama 3.1's max_position_embeddings (131072) follows from
+    no model key, and its token ids are what the vocabulary was trained with."""
+    if not init_from:
+        return {}
+    try:
+        cfg = read_hf_config(init_from)
+        diffs = config_differences(model, model_fields_from_hf(cfg))
+    except (HFConfigError, ImportError, OSError, ValueError) as exc:
+        logger.info("model.init_from %s unreadable (%s): config.json's %s from the model "
+                    "section alone", init_from, exc, ", ".join(INHERITED_KEYS))
+        return {}
+    if diffs:
+        logger.info("model.init_from %s no longer describes this model (%s): not taking its "
+                    "%s", init_from, diffs[0], ", ".join(INHERITED_KEYS))
+        return {}
+    return {k: cfg[k] for k in INHERITED_KEYS if cfg.get(k) is not None}
+
+
+def _max_positions(model: dict[str, Any], inherited: dict[str, Any]) -> int:
+    """The job's seq_len, or more: the source's own context, else under rope scaling at least
+    the original context times the factor (HF expects it to exceed the original one)."""
+    max_pos = int(model["seq_len"])
+    scaling = model.get("rope_scaling")
+    if "max_position_embeddings" in inherited:
+        return max(max_pos, int(inherited["max_position_embeddings"]))
+    if scaling:
+        return max(max_pos, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return max_pos
+
+
 def hf_config_from_model(model: dict[str, Any], dtype: str,
-                         token_ids: dict[str, int | None] | None = None) -> dict[str, Any]:
+                         token_ids: dict[str, int | None] | None = None,
+                         inherited: dict[str, Any] | None = None) -> dict[str, Any]:
     """A LlamaForCausalLM config.json for the spec's `model` section (a plain mapping), or a
-    MixtralForCausalLM one when `moe` is set."""
+    MixtralForCausalLM one when `moe` is set. `token_ids` are the job's tokenizer's;
+    `inherited` the source's keys (`inherited_from_source`): its context, and its token ids
+    when the job has no tokenizer."""
     if dtype not in HF_DTYPES:
         raise HFConfigError(f"--dtype: {dtype!r} must be one of {HF_DTYPES}")
     scaling = model.get("rope_scaling")
-    max_pos = int(model["seq_len"])
-    if scaling:  # HF expects the extended context to exceed the original one
-        max_pos = max(max_pos, int(scaling["original_max_position_embeddings"]
-                                   * scaling["factor"]))
-    ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
+    inherited = inherited or {}
+    max_pos = _max_positions(model, inherited)
+    own = {k: v for k, v in (token_ids or {}).items() if v is not None}
+    ids = {"bos_token_id": None, "eos_token_id": None, **(own or {
+        k: inherited[k] for k in ("bos_token_id", "eos_token_id") if k in inherited})}
     common = {
         "hidden_size": model["dim"], "intermediate_size": model["ffn_hidden"],
         "num_hidden_layers": model["n_layers"], "num_attention_heads": model["n_heads"],

@@ -25,12 +25,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tenax.checkpoint import Storage
 from tenax.checkpoint.load import RawReader
 from tenax.workers.hf.config import (CONFIG_NAME, HFConfigError, dropless_note,
-                                     hf_config_from_model)
+                                     hf_config_from_model, inherited_from_source)
 from tenax.workers.hf.names import hf_name, hf_parts, is_stacked_expert
 from tenax.workers.hf.safetensors_io import INDEX_NAME, StreamingWriter, shard_name
 from tenax.workers.hf.source import ExportError, open_version
@@ -124,9 +125,16 @@ def _load_batch(reader_of: Callable[[], CachedReader], metadata: Metadata,
     dtypes = [metadata.state_dict_metadata[f"model.{n}"].properties.dtype for n, _ in batch]
     views = _carve(slot, [(shape, dtype) for (_, shape), dtype in zip(batch, dtypes)])
     state = {f"model.{name}": view for (name, _), view in zip(batch, views)}
-    with warnings.catch_warnings():  # DCP warns on each load without a process group
-        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable")
-        dcp.load(state, storage_reader=reader_of(), planner=DefaultLoadPlanner(), no_dist=True)
+    reader = reader_of()
+    try:
+        with warnings.catch_warnings():  # DCP warns on each load without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable")
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: it would escape the CLI's handler
+        causes = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+        raise ExportError(f"cannot read {reader.storage.url(reader.version)} (damaged, or "
+                          f"removed while exporting, e.g. by checkpoint.keep_last): "
+                          f"{causes[:500]}") from None
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
@@ -271,13 +279,16 @@ def _write_shards(fs: Any, root: str, shards: list[list[tuple[str, tuple[int, ..
     largest = max(sum(_aligned(torch.Size(s).numel() * 4) for _, s in batch)
                   for plan in plans for batch in plan)
     files, weight_map = [], {}
-    with ThreadPoolExecutor(1, "hf-export-read") as pool:
-        batches = Prefetcher(stream_of(largest), [b for plan in plans for b in plan], pool)
-        for i, (shard, plan) in enumerate(zip(shards, plans)):
-            name = shard_name(i, len(shards))
-            _write_shard(fs, posixpath.join(root, name), shard, len(plan), batches)
-            files.append(name)
-            weight_map.update({key: name for n, s in shard for key, _ in hf_parts(n, s)})
+    try:
+        with ThreadPoolExecutor(1, "hf-export-read") as pool:
+            batches = Prefetcher(stream_of(largest), [b for plan in plans for b in plan], pool)
+            for i, (shard, plan) in enumerate(zip(shards, plans)):
+                files.append(shard_name(i, len(shards)))
+                _write_shard(fs, posixpath.join(root, files[-1]), shard, len(plan), batches)
+                weight_map.update({key: files[-1] for n, s in shard for key, _ in hf_parts(n, s)})
+    except BaseException:
+        _remove_partial(fs, root, files)
+        raise
     index = posixpath.join(root, INDEX_NAME)
     if len(shards) > 1:
         _write_json(fs, index, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -287,6 +298,20 @@ def _write_shards(fs: Any, root: str, shards: list[list[tuple[str, tuple[int, ..
         if posixpath.basename(path) not in files and STALE_SHARD.match(posixpath.basename(path)):
             fs.rm(path)  # an earlier export's shards would shadow or confuse this one
     return files
+
+
+def _remove_partial(fs: Any, root: str, files: list[str]) -> None:
+    """Remove the shards a failed export wrote: a shard cut short has its whole header but
+    not its data, and beside an earlier export's config.json it would pass for a model."""
+    for name in files:
+        try:
+            fs.rm(posixpath.join(root, name))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("cannot remove the partial %s: %s", posixpath.join(root, name), exc)
+    if files:
+        logger.warning("export failed: removed its partial file(s) %s under %s", files, root)
 
 
 def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bfloat16", *,
@@ -326,7 +351,8 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     files = _write_shards(fs, root, shards, stream_of, min(batch_bytes, shard_bytes // 2),
                           total)
     try:
-        config = hf_config_from_model(model, dtype, copy_tokenizer(job, fs, root))
+        source = inherited_from_source(model, (job.get("model") or {}).get("init_from"))
+        config = hf_config_from_model(model, dtype, copy_tokenizer(job, fs, root), source)
     except HFConfigError as exc:
         raise ExportError(str(exc)) from None
     _write_json(fs, posixpath.join(root, CONFIG_NAME), config)

@@ -57,11 +57,13 @@ def check_hf_weights(root: str, args: ModelArgs) -> dict[str, Located]:
         raise HFLoadError(f"model.init_from: {exc}") from None
     found: dict[str, Located] = {}
     problems: list[str] = []
+    used: set[str] = set()
     for name, shape in model_names(args).items():
         try:
             parts = hf_parts(name, shape)
         except NameMapError as exc:
             raise HFLoadError(f"model.init_from: {exc}") from None
+        used.update(key for key, _ in parts)
         located = [_locate(entries, key, want, name, problems) for key, want in parts]
         if all(e is not None for e in located):
             found[name] = ExpertStack(tuple(located)) if is_stacked_expert(name) \
@@ -70,6 +72,11 @@ def check_hf_weights(root: str, args: ModelArgs) -> dict[str, Located]:
         raise HFLoadError(f"model.init_from: {root} cannot initialise this model: "
                           + "; ".join(problems[:10])
                           + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
+    unused = sorted(set(entries) - used)
+    if unused:  # e.g. more layers than config.json says: HF would report them as unexpected
+        logger.warning("model.init_from: %s holds %d tensor(s) this model does not use, ignored "
+                       "(config.json may not describe the files): %s", root, len(unused),
+                       unused[:5])
     return found
 
 
