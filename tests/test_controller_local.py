@@ -85,6 +85,28 @@ def test_max_restarts_exhaustion_fails_with_cause(tmp_path):
     assert "rank 1 died" in job.controller.cause
 
 
+def test_bad_data_fails_the_job_after_one_replayed_restart(tmp_path):
+    """A token id outside the vocabulary deep in the data fails its step on every attempt: the
+    job restarts once, sees the same error at the same step, and fails with it instead of
+    spending the other restarts on replays."""
+    import numpy as np
+
+    tokens = np.arange(40 * 32 + 1, dtype=np.uint16) % 64  # 40 samples of the SMALL job
+    tokens[20 * 32 + 5] = 1000  # inside one sample: met within the first epoch's 5 steps
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(tokens.astype("<u2").tobytes())
+    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1",
+                                "resources.gpus_per_node=2", f"data.source=file://{data}",
+                                "data.token_dtype=uint16", "fault_tolerance.max_restarts=5"])
+    job = run_job(spec)
+    assert job.controller.state.value == "FAILED"
+    assert job.controller.restarts == 1
+    cause = job.controller.cause
+    assert "token id outside [0, model.vocab_size=64)" in cause and "would replay it" in cause
+    failures = job.of("failure")
+    assert len(failures) == 2 and failures[0]["step"] == failures[1]["step"]
+
+
 def test_scale_event_commits_then_replans_without_losing_steps(tmp_path, clean):
     spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2",
                                 "resources.max_nodes=2"])

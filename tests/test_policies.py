@@ -92,6 +92,44 @@ def test_max_restarts_exhausted_fails_with_cause():
     assert "rank 0 died (gone)" in d.reason and "max_restarts=3 exhausted" in d.reason
 
 
+def test_a_ranks_own_error_is_the_root_over_a_lower_ranks_peer_gone_symptom():
+    d = FailurePolicy().make_decision(snap(
+        rank(0, state="failed", error="RuntimeError: Connection closed by peer [127.0.0.1]:1"),
+        rank(1, state="failed", error="ValueError: data.source: a token id outside")))
+    assert d.action == JobAction.RESTART and d.failed_ranks == (1, 0)
+    assert d.reason.startswith("rank 1 failed: ValueError")
+
+
+def test_the_same_error_at_the_same_step_twice_is_not_restarted():
+    """Bad data or config fails a rank the same way on every attempt: the second identical
+    failure ends the job; anything else (another step, another error, a death, a peer-gone
+    symptom) restarts as before."""
+    from tenax.orchestrator.job.job_policy import own_error
+
+    bad = "ValueError: data.source: a token id outside [0, model.vocab_size=512) in sample 77"
+    failing = rank(1, state="failed", error=bad, step=7)
+    first = FailurePolicy().make_decision(snap(rank(0), failing))
+    assert first.action == JobAction.RESTART
+    previous = own_error(first, (rank(0), failing))
+    assert previous == (7, bad)
+    again = FailurePolicy().make_decision(snap(rank(0), failing, restarts=1,
+                                               previous_error=previous))
+    assert again.action == JobAction.FAIL and again.failed_ranks[0] == 1
+    assert bad in again.reason and "same error after step 7" in again.reason
+    assert "2 of max_restarts=3 left" in again.reason
+    later = rank(1, state="failed", error=bad, step=9)  # got further: not a replay
+    assert FailurePolicy().make_decision(snap(later, restarts=1, previous_error=previous)
+                                         ).action == JobAction.RESTART
+    other = rank(1, state="failed", error="OSError: [Errno 5] Input/output error", step=7)
+    assert FailurePolicy().make_decision(snap(other, restarts=1, previous_error=previous)
+                                         ).action == JobAction.RESTART
+    peer = "RuntimeError: Connection reset by peer"
+    symptom = own_error(first, (rank(1, state="failed", error=peer, step=7),))
+    assert symptom is None
+    died = FailurePolicy().make_decision(snap(rank(1, dead="gone", step=7)))
+    assert own_error(died, (rank(1, dead="gone", step=7),)) is None
+
+
 def test_max_restarts_is_read_only_by_the_policies():
     """The job's restart budget (`fault_tolerance.max_restarts`, an attribute read) is read by
     the job policy alone; Ray's actor option of the same name (a keyword) is another thing."""

@@ -146,9 +146,12 @@ def run_rank(options: RankOptions, hooks: RankHooks | None = None) -> Record:
                        COLLECTIVE_TIMEOUT_FACTOR * spec.fault_tolerance.hang_timeout_s, backend)
     joined_at = time.time()  # the cold start's rendezvous (in the "started" record)
     try:
-        return _train(spec, layout, options, hooks or RankHooks(), joined_at)
-    finally:
-        leave_process_group()
+        record = _train(spec, layout, options, hooks or RankHooks(), joined_at)
+    except BaseException:
+        leave_process_group(failed=True)
+        raise
+    leave_process_group()
+    return record
 
 
 def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks,

@@ -53,11 +53,15 @@ def join_process_group(rank: int, world: int, addr: str, port: int, timeout_s: f
                             world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
-def leave_process_group() -> None:
+def leave_process_group(failed: bool = False) -> None:
+    """Leave the group; `failed`: this rank raised, and its peers may be waiting in another
+    collective, so no barrier (it would meet none of theirs and hold the error back until the
+    collective timeout, reported as a hang instead of the error)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()  # without it ranks may abort at exit after DTensor collectives
+        if not failed:
+            dist.barrier()  # without it ranks may abort at exit after DTensor collectives
         dist.destroy_process_group()
     forget_dtensor_caches()
 

@@ -23,6 +23,9 @@ class Recovery:
     reported_lost: set[int] = field(default_factory=set)
     probes: NodeProbes = field(default_factory=NodeProbes)
     source: str = "storage"  # where the next start resumes from: memory | replica | storage
+    # (step, error) of the latest failure that was a rank's own error: the same one again
+    # at the same step is deterministic (job_policy.replayed_error), not worth a restart
+    last_error: tuple[int, str] | None = None
 
 
 @dataclass

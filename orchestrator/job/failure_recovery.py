@@ -19,7 +19,8 @@ from typing import Any, Callable
 from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery
 from tenax.orchestrator.job.inbox import NodeLostReport
-from tenax.orchestrator.job.job_policy import JobDecision, JobSnapshot, NodeLossPolicy
+from tenax.orchestrator.job.job_policy import (JobDecision, JobSnapshot, NodeLossPolicy,
+                                               own_error)
 from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
 
@@ -64,7 +65,8 @@ class FailureRecovery:
                     known_lost=failure.lost_nodes if failure else (),
                     reported_lost=tuple(sorted(rec.reported_lost)), probed=rec.probes.nodes,
                     answered=tuple(rec.probes.answered), refused=tuple(rec.probes.refused),
-                    failure_reason=failure.reason if failure else "")
+                    failure_reason=failure.reason if failure else "",
+                    previous_error=rec.last_error)
 
     def record_failure(self, decision: JobDecision, group: WorkerGroup | None,
                        step: int) -> None:
@@ -73,6 +75,7 @@ class FailureRecovery:
         rec.failure, rec.failed_at = decision, rec.failed_at or time.monotonic()
         rec.health = tuple(group.health()) if group is not None else ()
         rec.probes.reset()
+        rec.last_error = own_error(decision, rec.health)
         if decision.failed_ranks:  # a hang's stacks first: before anything is killed
             decision, evidence = hang_evidence(group, self.spec, decision)
             rec.failure = decision  # a hang's stacks may single out another rank as the root

@@ -91,6 +91,7 @@ class JobSnapshot:
     answered: tuple[str, ...] = ()  # nodes whose probe ran
     refused: tuple[str, ...] = ()  # nodes whose probe could not run (unreachable)
     failure_reason: str = ""
+    previous_error: tuple[int, str] | None = None  # (step, error) of the previous failure
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def rank_problem(r: "RankHealth", limits: Limits,
     if r.state == "failed" and (r.error or "").startswith("rank process"):
         # The process itself died (signal, exit code): a root cause, unlike its peers' errors.
         return 0, r.rank, "dead", f"rank {r.rank} died: {r.error}"
-    if r.state == "failed":
-        return 3, r.rank, "error", f"rank {r.rank} failed: {r.error}"
+    if r.state == "failed":  # a peer-gone symptom names its rank after any rank's own error
+        return 4 if peer_loss(r.error) else 3, r.rank, "error", f"rank {r.rank} failed: {r.error}"
     if r.state == "stopped" and not stopped_ok:
         return 3, r.rank, "error", f"rank {r.rank} stopped although no stop was requested"
     limit = t.startup_s if r.state == "starting" else t.hang_timeout_s
@@ -140,6 +141,31 @@ def rank_problem(r: "RankHealth", limits: Limits,
                                    f"{r.step_age_s:.1f} s "
                                    f"(limit {limit:.0f} s from hang_timeout_s={t.hang_timeout_s})")
     return None
+
+
+def own_error(decision: JobDecision, ranks: tuple["RankHealth", ...]) -> tuple[int, str] | None:
+    """(step, error) of a failure whose root is an exception the rank raised itself (not a
+    death, hang or silence, nor a peer-gone symptom); None for any other failure."""
+    if decision.cause_kind != "error" or not decision.failed_ranks:
+        return None
+    root = next((r for r in ranks if r.rank == decision.failed_ranks[0]), None)
+    if root is None or root.state != "failed" or not root.error or peer_loss(root.error):
+        return None
+    return root.step, root.error
+
+
+def replayed_error(snap: JobSnapshot, decision: JobDecision) -> JobDecision:
+    """A rank's own error again, word for word at the same step as the previous failure's:
+    bad data or a bad config that every restart would replay (each one redoing the steps
+    since the checkpoint), so the job fails now instead of spending max_restarts on it."""
+    error = own_error(decision, snap.ranks)
+    if decision.action != JobAction.RESTART or error is None or error != snap.previous_error:
+        return decision
+    return JobDecision(JobAction.FAIL, f"{decision.reason}; the previous attempt failed with the "
+                       f"same error after step {error[0]}, so a restart would replay it (not "
+                       f"restarted, {snap.limits.max_restarts - snap.restarts} of "
+                       f"max_restarts={snap.limits.max_restarts} left)",
+                       decision.failed_ranks, decision.cause_kind, decision.lost_nodes)
 
 
 def peer_loss(error: str | None) -> bool:
@@ -178,7 +204,7 @@ def _failure(snap: JobSnapshot, stopped_ok: bool) -> JobDecision | None:
         root = f"ranks {', '.join(map(str, hung))} hung: " + root.partition(" hung: ")[2]
     # peers of a dead rank fail too; report the root cause first
     failed = (root_rank,) + tuple(sorted({p[1] for p in problems} - {root_rank}))
-    return restart_or_fail(root, snap.restarts, snap.limits, failed, kind)
+    return replayed_error(snap, restart_or_fail(root, snap.restarts, snap.limits, failed, kind))
 
 
 class FailurePolicy:
