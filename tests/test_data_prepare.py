@@ -95,9 +95,12 @@ def test_two_workers_write_byte_identical_output(tmp_path, tokenizers, monkeypat
 BAD_LINES = [
     (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad\.jsonl: line 2: invalid UTF-8 at byte 13"),
     (b'{"text": "ok"}\n{"text": "a"}\n{"body": "x"}\n', r"bad\.jsonl: line 3: no field 'text'"),
-    (b'{"text": 5}\n', r"bad\.jsonl: line 1: field 'text' is int, not a string"),
+    (b'{"text": 5}\n', r"bad\.jsonl: line 1: field 'text' is a number, not a string"),
+    (b'{"text": null}\n', r"bad\.jsonl: line 1: field 'text' is null, not a string"),
     (b'{"text": "ok"}\nnot json\n', r"bad\.jsonl: line 2: not JSON"),
-    (b'["text"]\n', r"bad\.jsonl: line 1: no field 'text'"),
+    (b'["text"]\n', r"bad\.jsonl: line 1: not a JSON object but an array; each line must be "
+                    r"an object with the text in field 'text'"),
+    (b'"just a string"\n', r"bad\.jsonl: line 1: not a JSON object but a string"),
 ]
 
 

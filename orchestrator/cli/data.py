@@ -6,29 +6,67 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-from typing import Any
+import signal
+import sys
+import threading
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
 INSPECT_TOKENS = 32
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (`kill`, a batch scheduler's time limit) stops prepare the way Ctrl-C does: a
+    KeyboardInterrupt, so the partial output is removed; by default SIGTERM ends the process
+    on the spot and leaves the temporary `.bin` behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set on the main thread
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from tenax.workers.data import prepare_dataset
 
-    stats = prepare_dataset(args.inputs, args.out, tokenizer=args.tokenizer,
-                            text_field=args.text_field, workers=args.workers,
-                            progress=not args.json, eos_id=args.eos_id)
+    try:
+        with sigterm_interrupts():
+            stats = prepare_dataset(args.inputs, args.out, tokenizer=args.tokenizer,
+                                    text_field=args.text_field, workers=args.workers,
+                                    progress=not args.json, eos_id=args.eos_id)
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written at {args.out}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenProcessPool as err:
+        print(f"error: {err}; nothing was written at {args.out}", file=sys.stderr)
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(stats, indent=2))
     return 0
 
 
-def inspect_doc(uri: str, tokenizer: str | None, count: int) -> dict[str, Any]:
+def inspect_doc(uri: str, tokenizer: str | None, count: int,
+                eos_id: int | None = None) -> dict[str, Any]:
     from tenax.workers.data import IndexedDataset, load_tokenizer
 
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"--count: must be a non-negative integer, got {count!r}")
     data = IndexedDataset(uri)
     first = data.read_tokens(0, min(count, data.num_tokens)).tolist()
     doc: dict[str, Any] = {
@@ -37,12 +75,12 @@ def inspect_doc(uri: str, tokenizer: str | None, count: int) -> dict[str, Any]:
         "max_document_tokens": int(data.sequence_lengths.max()) if data.num_sequences else 0,
         "first_tokens": first}
     if tokenizer:
-        doc["first_text"] = load_tokenizer(tokenizer).decode(first)
+        doc["first_text"] = load_tokenizer(tokenizer, eos_id).decode(first)
     return doc
 
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
-    doc = inspect_doc(args.uri, args.tokenizer, args.count)
+    doc = inspect_doc(args.uri, args.tokenizer, args.count, args.eos_id)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -80,6 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = data.add_parser("inspect", help="what an indexed dataset holds, and its first tokens")
     p.add_argument("uri", help="dataset prefix (URI.bin + URI.idx)")
     p.add_argument("--tokenizer", default=None, help="decode the first tokens with this file")
+    p.add_argument("--eos-id", type=int, default=None, metavar="INT",
+                   help="the end-of-document id, for a tokenizer that names none")
     p.add_argument("--count", type=int, default=INSPECT_TOKENS,
                    help=f"how many tokens to show (default {INSPECT_TOKENS})")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -112,13 +112,27 @@ def jsonl_documents(f: CorpusFile, text_field: str) -> Iterator[tuple[str, str, 
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: not JSON ({err.msg})") from None
-        if not isinstance(record, dict) or text_field not in record:
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: not a JSON object but {json_kind(record)}; each line "
+                             f"must be an object with the text in field {text_field!r}")
+        if text_field not in record:
             raise ValueError(f"{where}: no field {text_field!r} (set --text-field)")
         text = record[text_field]
         if not isinstance(text, str):
-            raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__}, "
+            raise ValueError(f"{where}: field {text_field!r} is {json_kind(text)}, "
                              f"not a string")
         yield text, where, len(raw)
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (a list is an array, None is null)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a value")
 
 
 def jsonl_lines(f: CorpusFile) -> Iterator[bytes]:

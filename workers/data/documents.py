@@ -107,9 +107,6 @@ def check_document_ends(data_spec: DataSpec, sources: Iterable[TokenSource]) -> 
     eos = resolve_eos_id(data_spec)
     field = "data.document_mask" if data_spec.document_mask else "data.mask_eos_loss"
     for source in indexed:
-        offsets = source.dataset.document_token_offsets[: EOS_CHECK_DOCUMENTS + 1]
-        ends = [int(end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
-        last = source.dataset.read_ranges([(end - 1, end) for end in ends])
-        if not all(int(tokens[0]) == eos for tokens in last):
+        if (source.dataset.last_tokens(EOS_CHECK_DOCUMENTS) != eos).any():
             raise ValueError(f"{field}: documents of {source.uri!r} do not end with eos id {eos}; "
                              f"set data.tokenizer or data.eos_id (Megatron: --append-eod)")

@@ -177,6 +177,14 @@ class IndexedDataset:
             out.append(np.frombuffer(blob, dtype=self.dtype).astype(np.int64))
         return out
 
+    def last_tokens(self, documents: int) -> np.ndarray:
+        """int64 last token of each of the first `documents` non-empty documents (their EOS,
+        in data `tenax data prepare` wrote), in one batched read."""
+        offsets = self.document_token_offsets[: documents + 1]
+        ends = [int(end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
+        parts = self.read_ranges([(end - 1, end) for end in ends])
+        return np.array([int(p[0]) for p in parts], dtype=np.int64)
+
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         """int64 tokens [start, stop) of the concatenated stream (may span sequences)."""
         return self.read_ranges([(start, stop)])[0]
@@ -206,6 +214,15 @@ def write_index(f: Any, dtype: np.dtype, lengths: np.ndarray, doc_indices: np.nd
     f.write(np.asarray(doc_indices, dtype="<i8").tobytes())
 
 
+def missing_dirs(fs: Any, directory: str) -> list[str]:
+    """`directory` and those of its parents that do not exist yet, deepest first."""
+    out = []
+    while directory and directory != posixpath.dirname(directory) and not fs.exists(directory):
+        out.append(directory)
+        directory = posixpath.dirname(directory)
+    return out
+
+
 class IndexedDatasetWriter:
     """Write `prefix.bin` / `prefix.idx`; one sequence per document.
 
@@ -224,7 +241,9 @@ class IndexedDatasetWriter:
         tag = uuid.uuid4().hex[:8]
         self.tmp_bin, self.tmp_idx = f"{self.path}.bin.tmp-{tag}", f"{self.path}.idx.tmp-{tag}"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.made_dirs: list[str] = []  # directories this writer created, deepest first
         if "file" in protocols:
+            self.made_dirs = missing_dirs(self.fs, posixpath.dirname(self.path))
             self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
         self.bin = self.fs.open(self.tmp_bin, "wb")
         self.lengths: list[np.ndarray] = []
@@ -309,3 +328,8 @@ class IndexedDatasetWriter:
                     self.fs.rm(path)
             except OSError:
                 logger.warning("could not remove partial output %s", path)
+        for directory in self.made_dirs:  # --out into a new directory leaves none behind
+            try:
+                self.fs.rmdir(directory)
+            except OSError:  # not empty: someone else wrote there meanwhile
+                break

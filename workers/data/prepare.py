@@ -5,6 +5,12 @@ worker processes tokenizes them (`encode_batch`, then EOS after each document); 
 appends the results in the same order. At most `2 x workers` batches are in flight, so memory
 stays bounded whatever the corpus size (Pool.imap would read the whole input ahead).
 
+Why ProcessPoolExecutor rather than multiprocessing.Pool: a Pool silently replaces a worker
+that dies (the OOM killer, a segfault in a native tokenizer) and the result it owed never
+comes, so the parent would wait forever; the executor fails the pending futures instead.
+Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the parent alone decides
+to stop (and removes the partial output), without a traceback from every worker.
+
 Workers are started with forkserver (spawn where it is missing), never fork: the parent may
 already hold tokenizer thread pools, which do not survive a fork. Each worker tokenizes on one
 thread; the worker count is the parallelism. Because batches depend only on the input, any
@@ -16,11 +22,16 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import chain
+from multiprocessing.connection import wait
 from typing import Any, Iterator
 
 import numpy as np
@@ -71,7 +82,19 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Enc
     return Encoded(flat.astype(dtype), lengths)
 
 
+def exit_with_parent(sentinel: int) -> None:
+    """Ends this worker when the parent dies (SIGKILL, OOM): an idle executor worker holds
+    its own task queue open and would wait on it forever."""
+    wait([sentinel])
+    os._exit(1)
+
+
 def init_worker(tokenizer: Tokenizer, dtype: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool on Ctrl-C
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=exit_with_parent, args=(parent.sentinel,), daemon=True,
+                         name="exit-with-parent").start()
     # One tokenizer thread per process: parallelism comes from the processes.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -82,23 +105,34 @@ def encode_in_worker(texts: list[str]) -> Encoded:
     return encode_texts(WORKER["tokenizer"], texts, WORKER["dtype"])
 
 
+def take_result(window: deque[tuple[DocumentBatch, Future]]) -> tuple[DocumentBatch, Encoded]:
+    batch, future = window.popleft()
+    try:
+        return batch, future.result()
+    except BrokenProcessPool:
+        raise BrokenProcessPool(
+            f"data prepare: a tokenizer worker process died (killed, or out of memory?) while "
+            f"tokenizing the documents from {batch.where[0]} on; try fewer --workers") from None
+
+
 def encode_in_order(batches: Iterator[DocumentBatch], tokenizer: Tokenizer, dtype: np.dtype,
                     workers: int) -> Iterator[tuple[DocumentBatch, Encoded]]:
     """(batch, its tokens) in input order, tokenized by `workers` processes."""
     # The forkserver's preload list is process-wide (a test harness or trainer may own it),
     # so it is left alone: each worker imports this module as it starts.
     context = mp.get_context(START_METHOD)
-    with context.Pool(workers, initializer=init_worker,
-                      initargs=(tokenizer, dtype.str)) as pool:
-        window: deque[tuple[DocumentBatch, Any]] = deque()
-        for batch in batches:
-            window.append((batch, pool.apply_async(encode_in_worker, (batch.texts,))))
-            if len(window) >= IN_FLIGHT_PER_WORKER * workers:
-                done, result = window.popleft()
-                yield done, result.get()
-        while window:
-            done, result = window.popleft()
-            yield done, result.get()
+    window: deque[tuple[DocumentBatch, Future]] = deque()
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker,
+                             initargs=(tokenizer, dtype.str)) as pool:
+        try:
+            for batch in batches:
+                window.append((batch, pool.submit(encode_in_worker, batch.texts)))
+                if len(window) >= IN_FLIGHT_PER_WORKER * workers:
+                    yield take_result(window)
+            while window:
+                yield take_result(window)
+        finally:  # on an error or close(): drop queued batches, so shutdown waits on few
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Meter:
@@ -113,9 +147,12 @@ class Meter:
             from rich.console import Console
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+            console = Console(stderr=True)
+            if not console.is_terminal:  # a log file would get only a blank line from it
+                return
             self.progress = Progress(SpinnerColumn(), TextColumn(label),
                                      TextColumn("{task.description}"), TimeElapsedColumn(),
-                                     console=Console(stderr=True), transient=True)
+                                     console=console, transient=True)
             self.task = self.progress.add_task("starting", total=None)
             self.progress.start()
 
@@ -136,12 +173,35 @@ class Meter:
             self.progress.stop()
 
 
+def short_list(files: list[Any], shown: int = 3) -> str:
+    names = [f.uri for f in files[:shown]]
+    return ", ".join(names) + (f" and {len(files) - shown} more" if len(files) > shown else "")
+
+
+def check_out(out: str) -> None:
+    """`out` is a prefix: `dir/` would write `dir.bin` beside the directory, not inside it."""
+    if not isinstance(out, str) or not out.strip() or out.endswith("/"):
+        raise ValueError(f"--out: {out!r} is not a dataset prefix; name the files, e.g. "
+                         f"{(out or 'data/').rstrip('/') + '/train'!r} writes train.bin and "
+                         f"train.idx there")
+
+
 def check_workers(workers: int | None) -> int:
-    if workers is None:
-        return os.cpu_count() or 1
+    if workers is None:  # the CPUs this process may run on (taskset, Slurm), not the host's
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers: must be a positive integer, got {workers!r}")
     return workers
+
+
+def resolve_tokenizer(tokenizer: str | Tokenizer | None, eos_id: int | None) -> Tokenizer:
+    if tokenizer is None or isinstance(tokenizer, str):
+        return load_tokenizer(tokenizer, eos_id)
+    if eos_id is not None:
+        raise ValueError("prepare_dataset: eos_id goes with a tokenizer file; a tokenizer "
+                         "object brings its own eos_id")
+    return tokenizer
 
 
 def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | None = None,
@@ -158,13 +218,8 @@ def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | No
     "seconds"}.
     """
     start = time.perf_counter()
-    if tokenizer is None or isinstance(tokenizer, str):
-        tok = load_tokenizer(tokenizer, eos_id)
-    elif eos_id is not None:
-        raise ValueError("prepare_dataset: eos_id goes with a tokenizer file; a tokenizer "
-                         "object brings its own eos_id")
-    else:
-        tok = tokenizer
+    tok = resolve_tokenizer(tokenizer, eos_id)
+    check_out(out)
     files = resolve_inputs(inputs)
     count = check_workers(workers)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -180,6 +235,9 @@ def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | No
                                      f"dataset dtype {dtype.name} (max {np.iinfo(dtype).max})")
                 writer.add_packed(encoded.tokens, encoded.lengths)
                 meter.add(len(batch.texts), int(encoded.lengths.sum()), batch.nbytes)
+        if writer.num_docs == 0:  # an empty dataset is always a mistake (wrong file, glob)
+            raise ValueError(f"data prepare: the inputs ({short_list(files)}) hold no "
+                             f"documents (blank jsonl lines are skipped); nothing was written")
         stats = writer.finalize()
     except BaseException:
         writer.abort()

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 SYNTHETIC_NUM_SAMPLES = 1 << 20
 SYNTHETIC_MAX_STRIDE = 8
 FEISTEL_ROUNDS = 4
+DOCUMENT_END_CHECKS = 64  # documents whose last token an indexed source checks on open
 
 
 def stable_u64(*parts: object) -> int:
@@ -167,8 +168,22 @@ class IndexedSource:
         self.dataset = IndexedDataset(uri)
         self.n_tokens = int(self.dataset.num_tokens)
         self.num_samples = _num_windows(self.n_tokens, seq_len, uri, field)
+        self.check_document_ends()
         logger.info("indexed dataset %s: %d documents, %d tokens, %d samples of %d", uri,
                     self.dataset.num_docs, self.n_tokens, self.num_samples, seq_len)
+
+    def check_document_ends(self) -> None:
+        """The last tokens of the first documents (each an EOS, in prepared data) lie inside
+        the vocabulary: data of a larger tokenizer (a byte-level set, EOS 256, under
+        model.vocab_size=128) is refused on open, not at the first window that holds one of
+        its ids after some steps have already trained on it."""
+        last = self.dataset.last_tokens(DOCUMENT_END_CHECKS)
+        if ((last < 0) | (last >= self.vocab_size)).any():
+            raise ValueError(f"{self.field}: a token id outside [0, model.vocab_size="
+                             f"{self.vocab_size}) ends one of the first {DOCUMENT_END_CHECKS} "
+                             f"documents of {self.uri!r}; was the data tokenized with a larger "
+                             f"vocabulary (set model.vocab_size, or data.tokenizer and "
+                             f"model.vocab_size: auto)?")
 
     def samples(self, ids: np.ndarray) -> np.ndarray:
         spans = [(int(i) * self.seq_len, int(i) * self.seq_len + self.seq_len + 1)
@@ -186,10 +201,21 @@ def open_uri(uri: str, token_dtype: str, seq_len: int, vocab_size: int, seed: in
     """The source behind one URI: `synthetic`, an indexed dataset prefix, or a flat token file."""
     if uri == "synthetic":
         return SyntheticSource(seq_len, vocab_size, seed)
-    from tenax.workers.data.indexed import is_indexed_dataset
+    from tenax.workers.data.indexed import is_indexed_dataset, strip_suffix
 
     if is_indexed_dataset(uri):
         return IndexedSource(uri, seq_len, vocab_size, field)
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.isfile(path):
+        prefix = strip_suffix(path)
+        halves = [s for s in (".idx", ".bin") if fs.isfile(prefix + s)]
+        if halves:  # half an indexed dataset (a copy cut short) is not a flat token file
+            missing = ".bin" if halves == [".idx"] else ".idx"
+            raise FileNotFoundError(f"{field}: indexed dataset {uri!r} has its {halves[0]} "
+                                    f"but no {strip_suffix(uri)}{missing}")
+        if fs.isdir(path):
+            raise FileNotFoundError(f"{field}: {uri!r} is a directory; give the prefix of an "
+                                    f"indexed dataset (PREFIX.bin + PREFIX.idx) or a token file")
     return TokenFileSource(uri, token_dtype, seq_len, vocab_size, field)
 
 

@@ -130,6 +130,17 @@ class FileTokenizer:
     def files(self) -> list[str]:
         return [self.uri, *self.extra_files]
 
+    def known_ids(self, ids: list[int]) -> list[int]:
+        """`ids` as ints, every one inside the vocabulary: the native decoders would raise
+        their own errors on others (or, `tokenizers`, silently drop them)."""
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"tokenizer {self.uri!r}: token id {bad} is outside its "
+                             f"vocabulary [0, {self.vocab_size}); were these tokens made with "
+                             f"another tokenizer?")
+        return ids
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.uri!r}, vocab_size={self.vocab_size}, "
                 f"eos_id={self.eos_id})")
@@ -193,7 +204,7 @@ class HFTokenizer(FileTokenizer):
         return [e.ids for e in self.model.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
-        return self.model.decode(list(ids), skip_special_tokens=False)
+        return self.model.decode(self.known_ids(ids), skip_special_tokens=False)
 
 
 def template_trailing_special(doc: Any) -> int | None:
@@ -246,7 +257,7 @@ class SentencePieceTokenizer(FileTokenizer):
         return [list(ids) for ids in self.model.encode(list(texts), num_threads=1)]
 
     def decode(self, ids: list[int]) -> str:
-        return self.model.decode(list(ids))
+        return self.model.decode(self.known_ids(ids))
 
 
 class TiktokenTokenizer(FileTokenizer):
@@ -283,7 +294,7 @@ class TiktokenTokenizer(FileTokenizer):
         return self.model.encode_ordinary_batch(list(texts), num_threads=1)
 
     def decode(self, ids: list[int]) -> str:
-        return self.model.decode(list(ids))
+        return self.model.decode(self.known_ids(ids))
 
 
 def read_bytes(uri: str, limit: int = MAX_TOKENIZER_BYTES) -> bytes:
