@@ -77,10 +77,11 @@ def recovery_check(spec: Any, steps: int, losses: dict[int, float], ran: Any,
         return row
     if steps < MIN_MEMORY_STEPS:
         return with_memory(row, "warn", f"in-memory restore not checked: it needs --steps >= "
-                                        f"{MIN_MEMORY_STEPS}")
+                                        f"{MIN_MEMORY_STEPS}", checked=False)
     if spec.checkpoint.memory_every_steps == 0:
         return with_memory(row, "pass", "in-memory restore not checked: the job keeps no "
-                                        "snapshots (checkpoint.memory_every_steps=0)")
+                                        "snapshots (checkpoint.memory_every_steps=0)",
+                           checked=False)
     return with_memory(row, *memory_check(spec, losses, ran, run))
 
 

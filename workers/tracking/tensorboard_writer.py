@@ -9,6 +9,15 @@ reads a directory's files in name order and drops the values it already read at 
 step, so a step redone after a failure reads back once, with its final value. File names sort
 by creation time to the microsecond, so a recovery within the same second still sorts after
 the attempt it replaces.
+
+Why object stores are written in segments: an s3:// (gs://, ...) file opened for writing is an
+upload that no reader sees before `close()`, and a rank killed by a failure never closes it,
+so a streamed file there would show nothing while the job runs and lose every record of an
+attempt that ends in a failure. On any filesystem but the local one, the attempt's bytes are
+kept in memory and the current segment file is uploaded whole (`pipe_file`) at most every
+`OBJECT_FLUSH_S`; once it holds `SEGMENT_BYTES` the next records start a new file. Segment
+files sort after each other; only the attempt's first holds the START, so TensorBoard reads
+them as one attempt. A kill loses at most the last `OBJECT_FLUSH_S` of records.
 """
 from __future__ import annotations
 
@@ -20,9 +29,17 @@ import struct
 import time
 from typing import Any, Mapping
 
+from tenax.workers.tracking.errors import TensorBoardDirError
+
 logger = logging.getLogger(__name__)
 
 FILE_VERSION = "brain.Event:2"
+# Object stores (see the module doc): a segment is uploaded whole at most this often, so a
+# killed attempt loses at most this many seconds of records ...
+OBJECT_FLUSH_S = 2.0
+# ... and a segment file this large is closed for good (each upload rewrites the whole
+# segment: this bounds the bytes a flush sends).
+SEGMENT_BYTES = 128 * 1024
 SPEC_TAG = "spec"
 ATTEMPTS_TAG = "attempts"
 
@@ -54,36 +71,52 @@ class TensorBoardWriter:
     """A tracking backend (workers/tracking/tracker.py `Backend`) for one TensorBoard run."""
     name = "tensorboard"
 
-    def __init__(self, uri: str, attempt: bool = True) -> None:
+    def __init__(self, uri: str, attempt: bool = True, object_flush_s: float = OBJECT_FLUSH_S,
+                 segment_bytes: int = SEGMENT_BYTES) -> None:
         """`attempt`: rank 0's series (a START purging what the attempt redoes, the spec, the
-        attempt's start); False for the controller's run, which never redoes a step."""
+        attempt's start); False for the controller's run, which never redoes a step.
+        `object_flush_s`, `segment_bytes`: how an object store is written (module doc)."""
         self.uri, self.attempt = uri.rstrip("/"), attempt
-        self.path = ""  # the event file of this attempt, once open
-        self._file: Any = None
+        self.object_flush_s, self.segment_bytes = object_flush_s, segment_bytes
+        self.path = ""  # the event file of this attempt (its current segment), once open
+        # How often the tracker should call `flush` while no record comes (set at open: object
+        # stores only; a local file is written through as records come).
+        self.flush_every_s: float | None = None
+        self._file: Any = None  # a local file system: the open event file
+        self._fs: Any = None  # an object store: its file system ...
+        self._segment: bytearray | None = None  # ... and the current segment's bytes
+        self._dirty = False  # the segment holds bytes not uploaded yet
+        self._uploaded = 0.0  # time.monotonic() of the last upload
 
     def open(self, first_step: int, spec: Mapping[str, Any]) -> None:
         import fsspec
+        from fsspec.implementations.local import LocalFileSystem
 
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
         fs, root = fsspec.core.url_to_fs(self.uri)
-        fs.makedirs(root, exist_ok=True)
         self.path = f"{root.rstrip('/')}/{event_file_name()}"
-        self._file = fs.open(self.path, "wb")
+        try:
+            fs.makedirs(root, exist_ok=True)
+            if isinstance(fs, LocalFileSystem):
+                self._file = fs.open(self.path, "wb")
+            else:
+                self._fs, self._segment = fs, bytearray()
+                self.flush_every_s = self.object_flush_s
+        except OSError as err:
+            raise TensorBoardDirError(self.uri, self.path, err) from err
         now = time.time()
         purge = first_step + 1  # the attempt's first step: older values from here on are void
         self._append(Event(wall_time=now, step=purge, file_version=FILE_VERSION))
-        if not self.attempt:  # version 2 without a START: TensorBoard purges nothing
-            self.flush()
-            return
-        self._append(Event(wall_time=now, step=purge,
-                           session_log=SessionLog(status=SessionLog.START)))
-        if first_step == 0:  # the spec once per run: a fresh start writes it
-            self.text(purge, SPEC_TAG, "```\n" + json.dumps(spec, indent=2, default=str)
-                      + "\n```", now)
-        self.text(purge, ATTEMPTS_TAG, f"Rank 0 started at step {first_step} on "
-                  f"{socket.gethostname()} (pid {os.getpid()})", now)
-        self.flush()
+        if self.attempt:  # version 2 without a START (the `job` run): TensorBoard purges nothing
+            self._append(Event(wall_time=now, step=purge,
+                               session_log=SessionLog(status=SessionLog.START)))
+            if first_step == 0:  # the spec once per run: a fresh start writes it
+                self.text(purge, SPEC_TAG, "```\n" + json.dumps(spec, indent=2, default=str)
+                          + "\n```", now)
+            self.text(purge, ATTEMPTS_TAG, f"Rank 0 started at step {first_step} on "
+                      f"{socket.gethostname()} (pid {os.getpid()})", now)
+        self._flush(force=True)  # an unwritable store fails here, at open, not mid-run
         logger.info("tensorboard: writing %s", self.path)
 
     def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
@@ -108,15 +141,49 @@ class TensorBoardWriter:
         self._append(Event(wall_time=wall_time, step=step, summary=summary))
 
     def _append(self, event: Any) -> None:
-        if self._file is None:
+        data = tfrecord(event.SerializeToString())
+        if self._file is not None:
+            self._file.write(data)
+        elif self._segment is not None:
+            if len(self._segment) >= self.segment_bytes:
+                self._roll(event.step)
+            self._segment += data
+            self._dirty = True
+        else:
             raise RuntimeError(f"tensorboard_dir {self.uri!r}: the event file is not open")
-        self._file.write(tfrecord(event.SerializeToString()))
 
-    def flush(self) -> None:
+    def _roll(self, step: int) -> None:
+        """Upload the full segment for good and start the next file (it sorts after it)."""
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self._upload()
+        self.path = f"{self.path.rsplit('/', 1)[0]}/{event_file_name()}"
+        # A version-2 file without a START: it continues the attempt, purging nothing.
+        header = Event(wall_time=time.time(), step=step, file_version=FILE_VERSION)
+        self._segment = bytearray(tfrecord(header.SerializeToString()))
+
+    def _upload(self) -> None:
+        if self._segment is None or not self._dirty:
+            return
+        try:
+            self._fs.pipe_file(self.path, bytes(self._segment))
+        except OSError as err:
+            raise TensorBoardDirError(self.uri, self.path, err) from err
+        self._dirty, self._uploaded = False, time.monotonic()
+
+    def _flush(self, force: bool) -> None:
         if self._file is not None:
             self._file.flush()
+        elif force or time.monotonic() - self._uploaded >= self.object_flush_s:
+            self._upload()
+
+    def flush(self) -> None:
+        self._flush(force=False)
 
     def close(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
             file.close()
+        elif self._segment is not None:
+            self._upload()
+            self._segment = None

@@ -191,7 +191,9 @@ class Lane:
         self._call("open", self.first_step, self.spec)
         self.stats.open_cpu_s = time.thread_time()
         while True:
-            self._wake.wait()
+            # A backend that batches its writes (TensorBoard on an object store) names how
+            # often it wants a flush while no record comes: a hung job's last steps still land.
+            self._wake.wait(getattr(self.backend, "flush_every_s", None))
             self._wake.clear()
             with self._lock:
                 batch, self._queue = list(self._queue), collections.deque()

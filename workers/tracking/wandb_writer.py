@@ -12,6 +12,12 @@ own directory under WANDB_DIR, all with the same id; `wandb sync` uploads them i
 
 System metrics sampling and console capture are off: the first costs a CPU thread in the
 training process, the second wraps its stdout and stderr.
+
+Why the run's `.wandb` file is flushed every `TRANSACTION_LOG_FLUSH_S`: wandb's service process
+writes it through a buffer it empties every 15 s by default, and a failure kills rank 0's
+process (and with it the service) without `finish`, so an attempt that ran less than that
+before a failure left an empty run directory: offline, its steps were lost for good, the ones
+no later attempt redoes included. Flushing each second bounds that loss to about a second.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import logging
 from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
+
+TRANSACTION_LOG_FLUSH_S = 1.0  # seconds of records a killed attempt may lose (module doc)
 
 
 class WandbWriter:
@@ -36,7 +44,7 @@ class WandbWriter:
         import wandb
 
         s = self.section
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        settings = wandb.Settings(**run_settings(wandb))
         self.run = wandb.init(project=s.get("project") or "tenax", entity=s.get("entity"),
                               name=s.get("name") or self.job_name, id=self.run_id,
                               resume="allow", mode=s.get("mode") or "online",
@@ -67,3 +75,13 @@ class WandbWriter:
                     run.log(self._pending[step], step=step)
                 self._pending.clear()
             run.finish()
+
+
+def run_settings(wandb: Any) -> dict[str, Any]:
+    """The run's `wandb.Settings`: quiet, no system metrics, no console capture, and the
+    `.wandb` file flushed every TRANSACTION_LOG_FLUSH_S where this wandb has that setting
+    (0.19 has not: it keeps its own flushing)."""
+    out: dict[str, Any] = {"silent": True, "console": "off", "x_disable_stats": True}
+    if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
+        out["x_transaction_log_flush_interval"] = TRANSACTION_LOG_FLUSH_S
+    return out
