@@ -355,8 +355,9 @@ def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path
     try:
         server = ServerProcess(["--state-dir", str(state), "--gpus", "1", "--cpus", "2",
                                 "--no-metrics", "--storage-root", f"file://{tmp_path}"],
-                               tmp_path / "serve.log", {"TMPDIR": private})
-        assert pids_mentioning(private), "the embedded Ray should run under TMPDIR"
+                               tmp_path / "serve.log",
+                               {"TMPDIR": private, "RAY_TMPDIR": private})
+        assert pids_mentioning(private), "the embedded Ray should run under RAY_TMPDIR"
         s = stub(server.port)
         job_id = submit(s, [], job_overrides(tmp_path, "term", [
             "train.steps=5000", "resources.nodes=1", "resources.gpus_per_node=1"]))

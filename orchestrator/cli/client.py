@@ -50,7 +50,7 @@ class Client:
 
         self.server, self.timeout_s = server, timeout_s
         if tls_ca:
-            creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+            creds = grpc.ssl_channel_credentials(read_ca(tls_ca))
             self.channel = grpc.secure_channel(server, creds, options=CHANNEL_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(server, options=CHANNEL_OPTIONS)
@@ -68,6 +68,14 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def read_ca(path: str) -> bytes:
+    """The CA bundle's bytes; ValueError (exit 2) naming the flag when it cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:  # a directory, no permission, gone: a bad flag, not a traceback
+        raise ValueError(f"--tls-ca: cannot read {path!r}: {err.strerror or err}") from None
 
 
 def rpc_error_text(server: str, method: str, err: Any) -> str:
@@ -270,7 +278,20 @@ def client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", help=f"HOST:PORT (default: $TENAX_SERVER or {DEFAULT_SERVER})")
     p.add_argument("--token", help="bearer token (default: $TENAX_TOKEN)")
     p.add_argument("--tls-ca", help="CA bundle to verify a TLS server (default: $TENAX_TLS_CA)")
-    p.add_argument("--timeout", type=float, default=RPC_TIMEOUT_S, help="seconds per call")
+    p.add_argument("--timeout", type=positive_seconds, default=RPC_TIMEOUT_S,
+                   help="seconds per call")
+
+
+def positive_seconds(text: str) -> float:
+    """A deadline in seconds: 0, a negative or a non-finite one would fail (or never end)
+    every call with a DEADLINE_EXCEEDED that does not say why."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:

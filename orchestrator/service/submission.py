@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,14 +41,29 @@ def default_gpu_slots() -> int:
 class RayLink:
     """What `connect_ray` leaves besides Ray itself: with an embedded Ray, this node's
     forkserver, which every job's zygote on this node adopts ({"node_id", "endpoint"}; None
-    when joining a cluster). `close()` after ray.shutdown() stops it."""
+    when joining a cluster), and the embedded Ray's temp dir. `close()` after ray.shutdown()
+    stops the forkserver and removes that dir: each start makes a fresh one (sockets, session
+    logs), so keeping them would leave one more behind at every `tenax run` or restart."""
     forkserver: dict[str, Any] | None = None
     server: Any = None  # the NodeForkServer this process started
+    temp_dir: str | None = None  # the embedded Ray's, ours to remove
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+def ray_temp_parent() -> str | None:
+    """Where the embedded Ray's temp dir goes: $RAY_TMPDIR (Ray's own setting, which an explicit
+    `_temp_dir` would otherwise override), else the system temp dir."""
+    parent = os.environ.get("RAY_TMPDIR") or None
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    return parent
 
 
 def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> RayLink:
@@ -64,22 +80,23 @@ def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> RayL
         return RayLink()
     from tenax.workers import PRELOAD, NodeForkServer
 
-    server = NodeForkServer(PRELOAD)
+    link = RayLink(server=NodeForkServer(PRELOAD))
     try:
         import ray
 
         slots = gpus if gpus is not None else default_gpu_slots()
-        tmp = tempfile.mkdtemp(prefix="tenax-ray-")
+        link.temp_dir = tempfile.mkdtemp(prefix="tenax-ray-", dir=ray_temp_parent())
         ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,
-                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=tmp,
-                 log_to_driver=False, configure_logging=False)
+                 include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _temp_dir=link.temp_dir, log_to_driver=False, configure_logging=False)
         node = ray.get_runtime_context().get_node_id()
     except BaseException:
-        server.close()
+        link.close()
         raise
     logger.info("started an embedded Ray with %d GPU slot(s) (temp dir %s); jobs fork from "
-                "forkserver pid %d", slots, tmp, server.endpoint.pid)
-    return RayLink({"node_id": node, "endpoint": dataclasses.asdict(server.endpoint)}, server)
+                "forkserver pid %d", slots, link.temp_dir, link.server.endpoint.pid)
+    link.forkserver = {"node_id": node, "endpoint": dataclasses.asdict(link.server.endpoint)}
+    return link
 
 
 def parse_submission(spec_json: str, overrides: list[str],
