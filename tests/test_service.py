@@ -129,12 +129,16 @@ def test_scale_a_running_job_and_see_the_new_layout(server):
     s = server["stub"]
     job_id = submit(s, MD, job_overrides(server["tmp"], "scale", [
         "train.steps=150", "resources.nodes=1", "resources.gpus_per_node=1",
-        "resources.max_nodes=2"]))
+        "resources.max_nodes=64"]))
     before = watch(s, MD, job_id, timeout_s=120, until=lambda e: e["kind"] == "step")
-    for nodes in (3, 0):
+    for nodes in (65, 0):
         code, details = code_of(lambda: s.ScaleJob(pb.ScaleJobRequest(job_id=job_id, nodes=nodes),
                                                    timeout=10, metadata=MD))
-        assert code == INVALID and "max_nodes=2" in details
+        assert code == INVALID and "max_nodes=64" in details
+    # inside the spec's range but more than this cluster could ever hold: refused, not waited on
+    code, details = code_of(lambda: s.ScaleJob(pb.ScaleJobRequest(job_id=job_id, nodes=64),
+                                               timeout=10, metadata=MD))
+    assert code == PRECONDITION and "--nodes 64" in details and "never fit" in details
     job = s.ScaleJob(pb.ScaleJobRequest(job_id=job_id, nodes=2), timeout=10, metadata=MD)
     assert job.target_nodes == 2
     events = watch(s, MD, job_id, timeout_s=180, after_seq=before[-1]["seq"])

@@ -88,10 +88,10 @@ class JobManager:
                 raise SubmitError(f"checkpoint.uri: {spec.checkpoint.uri} is in use by running "
                                   f"job {busy[0]}; give each job a checkpoint.uri of its own",
                                   "conflict")
-            check_queue(self.limits, caller, [e.owner for e in self.dispatcher.queue.values()])
-            refused = self.dispatcher.refusal(spec)
+            refused = self.dispatcher.refusal(spec)  # before the queue cap: says why first
             if refused is not None:
                 raise SubmitError(f"refused: {refused}", "invalid")
+            check_queue(self.limits, caller, [e.owner for e in self.dispatcher.queue.values()])
             record = self.store.add_job(job_id, spec.name, spec_json_of(spec),
                                         spec.checkpoint.uri, owner=caller.name)
             self.claims.claim(job_id, uri)
@@ -282,6 +282,11 @@ class JobManager:
 
     def scale(self, job_id: str, nodes: int) -> None:
         runner = self.runners[job_id]
+        r = runner.spec.resources  # a size outside the spec's range: the controller says so
+        refused = self.dispatcher.scale_refusal(runner.spec, nodes) \
+            if r.min_nodes <= nodes <= r.max_nodes else None
+        if refused is not None:  # the job would wait for nodes this cluster does not have
+            raise SubmitError(f"scale refused: {refused}", "conflict")
         runner.controller.scale(nodes)  # ValueError outside [min_nodes, max_nodes]
         try:
             self.store.save_status(job_id, runner.status())  # a restart keeps the target

@@ -15,6 +15,7 @@ when a job ends. While jobs wait, the missing GPUs are asked of Ray's autoscaler
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -108,6 +109,15 @@ class Dispatcher:
         if cluster is None:
             return None
         return never_fits(_view_of_spec("new", spec, 0.0), cluster)
+
+    def scale_refusal(self, spec: "JobSpec", nodes: int) -> str | None:
+        """Why the job could never run at `nodes` node(s) on this cluster (None: it may)."""
+        cluster = cluster_now(self.largest)
+        if cluster is None:
+            return None
+        view = dataclasses.replace(_view_of_spec("scale", spec, 0.0), min_nodes=nodes)
+        why = never_fits(view, cluster)
+        return None if why is None else why.replace("resources.min_nodes=", "--nodes ", 1)
 
     def start(self) -> None:
         with self.lock:

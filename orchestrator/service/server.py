@@ -195,6 +195,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         self._active(request.job_id, "scale")
         try:
             self.manager.scale(request.job_id, request.nodes)
+        except SubmitError as err:  # more nodes than the cluster could ever hold
+            raise RpcAbort(_SUBMIT_CODES[err.kind], str(err)) from None
         except ValueError as err:  # outside [min_nodes, max_nodes]; names the field
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         return self._message(request.job_id)
