@@ -123,3 +123,9 @@ def test_watch_prints_the_same_sentence_with_the_event_time() -> None:
 def test_layout_text_is_one_format() -> None:
     assert layout_text(LAYOUT) == "dp2 tp2 zero1"
     assert layout_text(None) == "-"
+
+
+def test_a_relayed_snapshot_names_rank_0() -> None:
+    """The controller relays rank 0's first snapshot of an attempt without its `rank` field."""
+    line = human({"event": "snapshot", "step": 1, "bytes": 10, "seconds": 0.01})
+    assert line.startswith("Rank 0 kept step 1 in memory")

@@ -155,7 +155,8 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "checkpoint_loaded": lambda f: (f"Loaded the checkpoint of step {f['step']} in "
                                     f"{f.get('seconds', 0):.1f} s"
                                     + (f" from {f['source']}" if f.get("source") else "")),
-    "snapshot": lambda f: (f"Rank {f.get('rank', '?')} kept step {f['step']} in memory "
+    # the controller relays rank 0's first snapshot of an attempt, without its `rank`
+    "snapshot": lambda f: (f"Rank {f.get('rank', 0)} kept step {f['step']} in memory "
                            f"({f.get('bytes', 0)} bytes in {f.get('seconds', 0):.3f} s)"),
     "snapshots_off": lambda f: f"In-memory snapshots are off: {f.get('reason', '')}",
     "tracking_off": lambda f: (f"Tracking to {f.get('backend', 'a backend')} is off from step "
