@@ -260,3 +260,19 @@ def _word_tokenizer(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path))
     return path
+
+
+def test_export_refuses_the_directory_the_job_started_from(tmp_path: Path) -> None:
+    from tenax.workers.hf.export import ExportError
+    from tenax.workers.hf.out_dir import check_not_source
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    (tmp_path / "link").symlink_to(source)
+    for out in (str(source), f"file://{source}/", str(tmp_path / "link"),
+                str(tmp_path / "x" / ".." / "hf")):
+        with pytest.raises(ExportError, match="model.init_from"):
+            check_not_source(out, str(source))
+    check_not_source(str(tmp_path / "out"), str(source))
+    check_not_source(str(source), None)
+    check_not_source("memory://hf", str(source))

@@ -33,6 +33,7 @@ from tenax.checkpoint.load import RawReader
 from tenax.workers.hf.config import (CONFIG_NAME, HFConfigError, dropless_note,
                                      hf_config_from_model, inherited_from_source)
 from tenax.workers.hf.names import hf_name, hf_parts, is_stacked_expert
+from tenax.workers.hf.out_dir import check_not_source, open_out
 from tenax.workers.hf.safetensors_io import INDEX_NAME, StreamingWriter, shard_name
 from tenax.workers.hf.source import ExportError, open_version
 
@@ -329,6 +330,7 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     target = EXPORT_DTYPES[dtype]
     shards = plan_shards(names, metadata, target, shard_bytes)
     total = sum(torch.Size(s).numel() for shard in shards for _, s in shard) * target.itemsize
+    check_not_source(out, (job.get("model") or {}).get("init_from"))
     fs, root = open_out(out)
     done = [0]
 
@@ -360,23 +362,6 @@ def export_hf(ckpt_uri: str, out: str, step: int | None = None, dtype: str = "bf
     logger.info("exported %s step %d -> %s: %d tensors, %d files, %.1f MB", ckpt_uri,
                 manifest.step, out, tensors, len(files), total / 1e6)
     return ExportResult(out, manifest.step, files, total, tensors, extra)
-
-
-def open_out(out: str) -> tuple[Any, str]:
-    """The filesystem and path of directory `out`, created if absent; ExportError naming
-    --out when it cannot be (a file there, no permission, an unknown protocol)."""
-    from fsspec.core import url_to_fs
-
-    try:
-        fs, root = url_to_fs(out)
-        is_file = fs.exists(root) and not fs.isdir(root)
-        if not is_file:
-            fs.makedirs(root, exist_ok=True)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ExportError(f"--out: {out!r}: {exc}") from None
-    if is_file:
-        raise ExportError(f"--out: {out!r}: exists and is not a directory")
-    return fs, root
 
 
 def note_dropless(model: dict[str, Any]) -> dict[str, Any]:
