@@ -154,3 +154,11 @@ def test_moe_total_and_active_params():
 def test_unknown_preset():
     with pytest.raises(SpecError, match="unknown preset 'gpt5'"):
         load_spec(preset="gpt5")
+
+
+def test_a_tensorboard_dir_in_one_processs_memory_is_refused() -> None:
+    from tenax.workers.spec import load_spec
+
+    with pytest.raises(SpecError, match="logging.tensorboard_dir: 'memory://tb'"):
+        load_spec(overrides=["logging.tensorboard_dir=memory://tb"])
+    assert load_spec(overrides=["logging.tensorboard_dir=s3://b/tb"]).logging.tensorboard_dir

@@ -249,6 +249,16 @@ class LoggingSpec(StrictSection):
     tensorboard_dir: str | None = Field(None, min_length=1, max_length=4096)  # URI (fsspec)
     wandb: WandbSpec | None = None
 
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _shared_store(cls, value: str | None) -> str | None:
+        """memory:// lives in one process: rank 0's and the controller's files would vanish."""
+        if value is not None and value.startswith("memory://"):
+            raise ValueError(f"logging.tensorboard_dir: {value!r} is in one process's memory, "
+                             f"which the job's processes do not share; use a directory or an "
+                             f"object store URI")
+        return value
+
 
 class CheckpointSpec(StrictSection):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
