@@ -70,7 +70,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None):
+                           kwargs: dict | None = None) -> Any:
         kind = collective_kind(func)
         if kind is not None:
             self.counts[kind] += 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -231,15 +231,16 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                group: dist.ProcessGroup, counter: RingCommCounter) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor,  # type: ignore[override]
+                v: torch.Tensor, group: dist.ProcessGroup,
+                counter: RingCommCounter) -> torch.Tensor:
         out, lse = _ring_forward(q, k, v, group, counter)
         ctx.save_for_backward(q, k, v, out, lse)  # local blocks only, no score matrices
         ctx.group, ctx.counter = group, counter
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.group, ctx.counter)
         return dq, dk, dv, None, None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,7 +119,7 @@ class DataParallel:
     def _new_bucket(self, params: list[nn.Parameter]) -> _Bucket:
         return _Bucket(params, [math.ceil(local(p).numel() / self.world) for p in params])
 
-    def _make_hook(self, bucket: _Bucket):
+    def _make_hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             # zero 2 reduces every micro-batch (that is what bounds its grads to 1/N); the
             # others reduce the accumulated grads once, in the last micro-batch.

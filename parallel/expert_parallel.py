@@ -50,6 +50,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,13 +112,13 @@ class _AllToAll(torch.autograd.Function):
     """Uneven all_to_all_single along dim 0 whose backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -79,24 +79,24 @@ class TimedStage(PipelineStage):
     only and wall - busy is this rank's bubble plus communication wait.
     """
 
-    def __init__(self, *args, busy: list[float], **kwargs) -> None:
+    def __init__(self, *args: Any, busy: list[float], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.busy = busy
 
-    def _timed(self, fn: Callable, *args, **kwargs):
+    def _timed(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             self.busy[0] += time.perf_counter() - start
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().forward_one_chunk, *args, **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_one_chunk, *args, **kwargs)
 
-    def backward_weight_one_chunk(self, *args, **kwargs):
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
 
