@@ -145,8 +145,11 @@ def test_only_a_hangs_stacks_outlive_the_scratch_location(tmp_path):
 def test_data_row_names_the_file_with_a_bad_token(tmp_path):
     path = token_file(tmp_path / "bad.tok", 40_000, bad_at=33_333)
     row = data_row(load_spec(overrides=small(tmp_path, f"data.source=file://{path}")), 4)
-    assert row.verdict == "fail"
+    assert row.verdict == "fail" and row.measured == "invalid"  # it reads: not "unreadable"
     assert "bad.tok" in row.detail and "100" in row.detail
+    missing = data_row(load_spec(overrides=small(tmp_path,
+                                                 f"data.source=file://{tmp_path}/none.tok")), 4)
+    assert missing.verdict == "fail" and missing.measured == "unreadable", missing
     good = token_file(tmp_path / "good.tok", 40_000)
     assert data_row(load_spec(overrides=small(tmp_path, f"data.source=file://{good}")),
                     4).verdict == "pass"

@@ -36,8 +36,10 @@ def data_row(spec: Any, steps: int) -> Row:
         windows = check_validation(spec)
         scanned = [scan_token_file(uri, spec.data.token_dtype, vocab, field)
                    for field, uri in file_sources(spec)]
-    except (ValueError, FileNotFoundError, OSError) as err:
+    except (FileNotFoundError, OSError) as err:
         return Row("data", "unreadable", expected, "fail", str(err))
+    except ValueError as err:  # it reads, but what it holds is wrong (ids, lengths, sizes)
+        return Row("data", "invalid", expected, "fail", str(err))
     what = f"{batches} batches"
     if windows is not None:
         what += f", validation {windows} windows"
