@@ -113,6 +113,60 @@ def test_a_forged_stamp_from_a_token_holder_is_refused_and_nothing_changes(recei
     assert receiver.failure_counts() == {"handshake": 1, "stamp": 4}
 
 
+def _send(keeper: SnapshotKeeper, local: SnapshotDir, step: int, **changes) -> int:
+    """What any holder of the job's secret can send: a stamp of its choosing, whole."""
+    files = _files(step)
+    local.write(_stamp(step, files, **changes), files)
+    _, paths = local.paths(GEN, RANK, step)
+    return send_snapshot(keeper.endpoint("127.0.0.1"), _stamp(step, files, **changes), paths,
+                         10.0, secret=SECRET.encode(), job_id=JOB)
+
+
+def _replica_steps(keeper: SnapshotKeeper) -> list[int]:
+    return sorted(h["step"] for h in keeper.inventory() if h["kind"] == "replica")
+
+
+def test_a_stamp_dated_in_the_future_does_not_cost_the_real_double_buffer(receiver, tmp_path):
+    """Replicas are kept and rewritten by the receiver's own write order: a stamp claiming a
+    `written_at` far ahead was kept forever, and every real replica after it rewrote the one
+    before it, so the previous step a node lost mid-send needs was never there."""
+    local = SnapshotDir(str(tmp_path / "forger"), keep=8)
+    assert _send(receiver, local, 40, written_at=1e12) == 40  # within the job, secret held
+    for step in (12, 13, 14):
+        assert _send(receiver, local, step) == step
+    assert _replica_steps(receiver) == [13, 14]  # the forged one was rewritten, not kept
+
+
+def test_a_step_beyond_the_jobs_last_is_refused_before_any_buffer(tmp_path, monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_ENV, str(tmp_path / "shm"))
+    keeper = SnapshotKeeper()
+    keeper.configure(JOB, 0, None, GEN, ReplicaTerms(SECRET, WORLD, (RANK,), ("127.0.0.1",),
+                                                     rank_bytes=64 << 10, max_step=100))
+    local = SnapshotDir(str(tmp_path / "sender"), keep=8)
+    try:
+        assert _send(keeper, local, 100) == 100  # the last step itself is the job's
+        before = _tree(keeper.replica_dir)
+        with pytest.raises(SnapshotError, match="NOstamp|stamp: .*the job ends at step 100"):
+            _send(keeper, local, 10**12)
+        assert _tree(keeper.replica_dir) == before and _replica_steps(keeper) == [100]
+        assert keeper.failure_counts() == {"stamp": 1}
+    finally:
+        keeper.drop_job()
+
+
+def test_the_placement_hands_every_receiver_the_jobs_last_step():
+    from tenax.orchestrator.placement.rank_handle import RankHandle
+    from tenax.orchestrator.placement.recovery import MemoryStart
+    from tenax.orchestrator.placement.worker_group import WorkerGroup
+
+    group = WorkerGroup(JOB, gpus_per_node=1)
+    group.ranks = [RankHandle(r, None, f"n{r}", f"10.0.0.{r}") for r in range(2)]
+    terms = group.replica_terms(0, MemoryStart(JOB, 3, 1, secret=SECRET, rank_bytes=8,
+                                               max_step=200))
+    assert terms is not None and (terms.ranks, terms.peer_addresses) == ((1,), ("10.0.0.1",))
+    assert (terms.max_step, terms.rank_bytes) == (200, 8)
+
+
 def test_a_header_declaring_a_gibibyte_is_refused_before_any_byte_lands(receiver):
     endpoint, root = receiver.endpoint("127.0.0.1"), receiver.replica_dir
     before = _tree(root)

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str):
-    """A tmpfs of `size` mounted at `path` (skips the test where mounting is not permitted)."""
+def small_tmpfs(path: Path, size: str, extra: str = ""):
+    """A tmpfs of `size` mounted at `path` (skips the test where mounting is not permitted);
+    `extra`: more mount options (",nr_inodes=N")."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(path)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{extra}",
+                           "tmpfs", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
     try:
@@ -80,6 +81,21 @@ def test_a_full_tmpfs_turns_every_ranks_snapshots_off_and_training_goes_on(tmpfs
     assert results[0]["held"][-1] == [1]  # step 2 found no room and was removed
     assert results[1]["held"][-1] == [1, 2]
     assert str(tmpfs_1m) in results[0]["events"][-1]["reason"]
+
+
+@pytest.mark.slow
+def test_a_tmpfs_out_of_inodes_turns_snapshots_off_and_training_goes_on(tmp_path):
+    """Bytes free, inodes not (nr_inodes): the next snapshot's directory fails with ENOSPC
+    on the training thread, which killed the rank; now it turns snapshots off like a full
+    buffer does, and the reason says how many inodes were left."""
+    with small_tmpfs(tmp_path / "tmpfs", "4m", ",nr_inodes=7") as tmpfs:
+        roots = [str(tmpfs / "r0"), str(tmp_path / "r1")]  # step 1 takes the 7th inode
+        results = run_ranks(out_of_space_job, 2, roots, 1000, 5)
+    for result in results:
+        off = [e for e in result["events"] if e["event"] == "snapshots_off"]
+        assert len(off) == 1 and off[0]["step"] == 3 and result["stopped"], result["events"]
+    assert results[0]["held"] == [[1]] * 5 and results[0]["partials"] == []
+    assert "0 inodes" in results[0]["events"][-1]["reason"]
 
 
 def test_the_plan_turns_snapshots_off_when_the_tmpfs_is_too_small():

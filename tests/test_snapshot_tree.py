@@ -77,6 +77,15 @@ def _needs_root() -> None:
         pytest.skip("giving a file another owner needs root")
 
 
+def test_a_snapshot_dir_not_made_yet_is_made_not_swapped_for_a_private_one(tmp_path,
+                                                                            monkeypatch):
+    """A $TENAX_SNAPSHOT_DIR that does not exist yet is made (0700): each process used to
+    take a private `mkdtemp` in the system temp dir instead, which no sweep ever removed."""
+    missing = tmp_path / "not" / "made"
+    monkeypatch.setenv(SNAPSHOT_ENV, str(missing))
+    assert snapshot_root() == _expected(missing) and _mode(str(missing)) == 0o700
+
+
 def test_a_too_open_root_of_ours_is_tightened_and_used_by_every_process(base, caplog):
     expected = _expected(base)
     os.mkdir(expected, 0o700)

@@ -12,7 +12,10 @@ header and every body byte; crc32c stays for damage.
 
 A receiver then takes only the stamp it expects (`Expectation`), before it touches a buffer:
 the job, the current generation, a rank of the peer node that sends here, the job's world,
-at most MAX_FILES safely named files and at most the planned bytes.
+no step past the job's last (`train.steps`), at most MAX_FILES safely named files and at most
+the planned bytes. What order the replicas were written in is the receiver's own clock, never
+the stamp's `written_at` (snapshot_keeper.py): a stamp dated in the future would otherwise
+stay the newest forever, and every real replica after it would rewrite the one before.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Expectation:
     max_bytes: int  # the cap of one replica's declared bytes (0: none)
     secret: bytes = field(repr=False)
     addresses: frozenset[str] = frozenset()  # the peer node's addresses (empty: any)
+    max_step: int = 0  # the job's last step (train.steps): none is beyond it (0: unknown)
 
 
 def _proof(secret: bytes, label: bytes, client: bytes, server: bytes) -> bytes:
@@ -174,6 +178,8 @@ def check_stamp(stamp: SnapshotStamp, expected: Expectation) -> None:
         wrong.append(f"rank {stamp.rank} (the peer node's: {sorted(expected.ranks)})")
     if stamp.world != expected.world:
         wrong.append(f"world {stamp.world} (the job's: {expected.world})")
+    if expected.max_step and stamp.step > expected.max_step:
+        wrong.append(f"step {stamp.step} (the job ends at step {expected.max_step})")
     if not stamp.files or len(stamp.files) > MAX_FILES:
         wrong.append(f"{len(stamp.files)} files (1 to {MAX_FILES})")
     bad = [name for name in stamp.files if not FILE_NAME.fullmatch(name)]

@@ -23,9 +23,10 @@ import os
 import shutil
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tenax.checkpoint import SnapshotError, assemble_version
@@ -50,6 +51,7 @@ class ReplicaTerms:
     ranks: tuple[int, ...] = ()  # the ranks whose replicas this agent holds (none: takes none)
     peer_addresses: tuple[str, ...] = ()  # the address(es) it comes from
     rank_bytes: int = 0  # the planned bytes of one rank's snapshot (caps a replica)
+    max_step: int = 0  # the job's last step (train.steps): a replica of a later one is forged
 
 
 def _abort(sock: socket.socket) -> None:
@@ -117,7 +119,7 @@ class SnapshotKeeper:
             return None
         return Expectation(self.job_id, self.generation, frozenset(terms.ranks),
                            terms.world, replica_cap(terms.rank_bytes), terms.secret.encode(),
-                           frozenset(terms.peer_addresses))
+                           frozenset(terms.peer_addresses), terms.max_step)
 
     def failure_counts(self) -> dict[str, int]:
         """Replica failures by reason: every refusal of this agent's receiver, and `send`
@@ -228,7 +230,10 @@ class SnapshotKeeper:
     def land_replica(self, stamp: SnapshotStamp, fill: Fill) -> int:
         """Receive a peer's snapshot into a replica buffer and publish it once whole. Only the
         bookkeeping holds the lock, not the transfer: the job's end (drop_job) never waits
-        for a slow link, and a replica arriving across it is not published."""
+        for a slow link, and a replica arriving across it is not published. The replica is
+        dated by this agent's clock, not the sender's: the buffers are kept and rewritten by
+        write order, and a stamp dated in the future would outlive every real replica."""
+        stamp = replace(stamp, written_at=time.time())
         series = (stamp.generation, stamp.rank)
         with self._lock:
             if not self.job_id:

@@ -109,7 +109,11 @@ class MemorySnapshotter:
             return
         tensors = [(off, t.detach().cpu() if t.is_cuda else t) for off, t in planned.tensors]
         commit = manifest_fields(self.state, self.config.job, self.model_hash)
-        partial = self.store.begin(self.generation, self.rank, step)
+        try:
+            partial = self.store.begin(self.generation, self.rank, step)
+        except OSError as exc:  # a tmpfs out of inodes fails mkdir, not the copy: ENOSPC too
+            self._not_begun(step, exc)
+            return
         done, self._finished = threading.Event(), threading.Event()
         if hasattr(self.state, "fence_before_update"):
             self._fence = self.state.fence_before_update(lambda: self._at_fence(done))
@@ -136,13 +140,23 @@ class MemorySnapshotter:
                           "dir": where or self.store.root, "free_bytes": free})
         return True
 
+    def _not_begun(self, step: int, exc: OSError) -> None:
+        """No directory for this snapshot: like a failed copy, never an error of training
+        (the plan's all-reduce is behind every rank; nothing collective follows the copy)."""
+        self.failed += 1
+        if exc.errno == errno.ENOSPC:
+            partial = os.path.join(self.store.series(self.generation, self.rank),
+                                   f"s{step}.partial")
+            self._out_of_space(partial, exc)
+        logger.warning("rank %d: snapshot of step %d not begun: %s", self.rank, step, exc)
+
     def _out_of_space(self, partial: str, exc: OSError) -> None:
         """A buffer found no space: free what this snapshot took; no more are taken."""
         shutil.rmtree(partial, ignore_errors=True)
         self._maps.forget_deleted()
         where, free = free_space(self.store.root)
         self.off = (f"no space for rank {self.rank}'s snapshot buffer in {where} "
-                    f"({human_bytes(max(free, 0))} free): {exc}")
+                    f"({human_bytes(max(free, 0))}{_few_inodes(where)} free): {exc}")
 
     def _serve(self) -> None:
         """The copying thread: low priority, one snapshot at a time, until close()."""
@@ -220,6 +234,16 @@ class MemorySnapshotter:
             self._worker.join(FENCE_TIMEOUT_S)
             self._worker = None
         self._maps.close()
+
+
+def _few_inodes(path: str) -> str:
+    """", N inodes" when `path`'s filesystem counts inodes and has few left (a tmpfs mounted
+    with nr_inodes fails a mkdir with ENOSPC while bytes are free); "" otherwise."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ""
+    return f", {st.f_favail} inodes" if st.f_files and st.f_favail < 1024 else ""
 
 
 def _write_pieces(maps: BufferMaps, path: str, tensors: list[tuple[int, torch.Tensor]]

@@ -88,6 +88,8 @@ def snapshot_root() -> str:
     """The checked root of this user's snapshot tree (created 0700 when missing): the shared
     one, else the first safe shared fallback next to it; the same in every process."""
     base = _base()
+    if not os.path.lexists(base):  # a $TENAX_SNAPSHOT_DIR not made yet: else every process
+        makedirs_private(base)  # fell back to a private tree no sweep or estimate ever saw
     root = os.path.join(base, tree_name())
     why = _claim(root)
     if not why:

@@ -125,7 +125,8 @@ class Placer:
         source = prepared.decision.source if prepared is not None and uris else "storage"
         every = self.snapshots.every_steps if self.snapshots is not None else 0
         rank_bytes = self.snapshots.per_rank_bytes if self.snapshots is not None else 0
-        memory = MemoryStart(self.job_id, self.generation, every, uris, self.secret, rank_bytes)
+        memory = MemoryStart(self.job_id, self.generation, every, uris, self.secret, rank_bytes,
+                             self.spec.train.steps)
         group.start(spec_for_ranks(self.spec, self.recompute), self.timeout_s, memory, chaos,
                     self.tracking() if self.tracking is not None else None)
         return reuse, source

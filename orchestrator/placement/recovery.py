@@ -47,6 +47,7 @@ class MemoryStart:
     restore_uris: dict[str, str] = field(default_factory=dict)  # node id -> assembled version
     secret: str = field(default="", repr=False)  # the job's replica secret (never logged)
     rank_bytes: int = 0  # the planned bytes of one rank's snapshot (caps a replica)
+    max_step: int = 0  # the job's last step (train.steps): no replica may claim a later one
 
 
 class MemoryRecovery:

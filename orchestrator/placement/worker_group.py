@@ -222,7 +222,8 @@ class WorkerGroup:
         if memory.snapshot_every <= 0 or world <= g:
             return None
         source = self.ranks[(rank - g) % world]
-        return ReplicaTerms(memory.secret, world, (source.rank,), (source.ip,), memory.rank_bytes)
+        return ReplicaTerms(memory.secret, world, (source.rank,), (source.ip,), memory.rank_bytes,
+                            memory.max_step)
 
     def live_holders(self) -> list[tuple[Any, str]]:
         """(actor, node id) of every actor of every block not known dead (snapshot holders,
