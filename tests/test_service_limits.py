@@ -248,3 +248,16 @@ def test_the_claims_index_agrees_with_the_pairwise_overlap_check(tmp_path: Path)
         assert claims.holders(new, lambda job: True) == want
 
     check()
+
+
+def test_one_token_cannot_hold_every_watch_stream() -> None:
+    from tenax.orchestrator.service.limits import WatcherSlots
+
+    slots = WatcherSlots(total=5, per_caller=3)
+    assert [slots.acquire("alice") for _ in range(3)] == [None] * 3
+    refused = slots.acquire("alice")
+    assert refused is not None and "for alice" in refused and "3 per token" in refused
+    assert slots.acquire("bob") is None and slots.acquire("carol") is None
+    assert "at most 5" in (slots.acquire("dave") or "")
+    slots.release("alice")
+    assert slots.acquire("dave") is None  # a released slot serves anyone

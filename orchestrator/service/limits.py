@@ -17,6 +17,8 @@ import base64
 import bisect
 import json
 import logging
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -224,3 +226,31 @@ def _discard(index: dict[str, set[str]], key: str, job_id: str) -> bool:
         return False
     del index[key]
     return True
+
+
+class WatcherSlots:
+    """WatchJob streams: each holds a server worker thread, so at most `total` at once, and at
+    most `per_caller` for one identity, so that one token's streams (a script that forgets to
+    close them) cannot refuse every other user's `tenax watch`."""
+
+    def __init__(self, total: int, per_caller: int) -> None:
+        self.total, self.per_caller = total, per_caller
+        self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()
+
+    def acquire(self, who: str) -> str | None:
+        """Take a slot for `who`; None when taken, else why not (RESOURCE_EXHAUSTED)."""
+        with self._lock:
+            if self._held[who] >= self.per_caller:
+                return (f"too many watchers for {who} (at most {self.per_caller} per token); "
+                        f"close one, or try again later")
+            if sum(self._held.values()) >= self.total:
+                return f"too many watchers (at most {self.total}); try again later"
+            self._held[who] += 1
+            return None
+
+    def release(self, who: str) -> None:
+        with self._lock:
+            self._held[who] -= 1
+            if self._held[who] <= 0:
+                del self._held[who]

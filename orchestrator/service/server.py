@@ -26,7 +26,8 @@ one server at a time (an flock on `<state-dir>/lock`): two servers would resume 
 twice.
 
 Each WatchJob stream holds a worker thread, so watchers are capped (MAX_WATCHERS) below the
-pool size and unary calls always find a thread.
+pool size and unary calls always find a thread, and one token holds at most
+MAX_WATCHERS_PER_TOKEN of them.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from tenax.orchestrator.service.auth import TokenAuth, caller_of, check_exposure
 from tenax.orchestrator.service.jobs import JobManager, connect_ray
 from tenax.orchestrator.service.lifecycle import (on_signals, print_ready, restore_signals,
                                                   shutdown_all)
-from tenax.orchestrator.service.limits import (MAX_JOB_ID, Identity, ServiceLimits,
+from tenax.orchestrator.service.limits import (MAX_JOB_ID, Identity, ServiceLimits, WatcherSlots,
                                                decode_page_token, encode_page_token, fill_page,
                                                page_size)
 from tenax.orchestrator.service.storage_roots import StorageRoots
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JobService"].full_name
 MAX_WORKERS = 64
 MAX_WATCHERS = 48  # leaves threads for unary calls: each stream holds one worker thread
+MAX_WATCHERS_PER_TOKEN = 16  # with tokens: one identity cannot hold every stream
 WATCH_BATCH = 500
 WATCH_WAKE_S = 1.0
 KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
@@ -123,7 +125,9 @@ def _job_id(value: str) -> str:
 class JobServicer(pb_grpc.JobServiceServicer):
     def __init__(self, manager: JobManager, auth: TokenAuth | None = None) -> None:
         self.manager, self.store, self.auth = manager, manager.store, auth
-        self._watchers = threading.BoundedSemaphore(MAX_WATCHERS)
+        # Without tokens every caller is one identity: the per-caller cap is the total then.
+        self._watchers = WatcherSlots(MAX_WATCHERS, MAX_WATCHERS if auth is None
+                                      else MAX_WATCHERS_PER_TOKEN)
 
     def _record(self, job_id: str) -> JobRecord:
         record = self.store.get_job(_job_id(job_id))
@@ -217,13 +221,14 @@ class JobServicer(pb_grpc.JobServiceServicer):
     def WatchJob(self, request: pb.WatchJobRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         job_id = self._record(request.job_id).job_id
-        if not self._watchers.acquire(blocking=False):
-            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"too many watchers (at most {MAX_WATCHERS}); try again later")
+        who = caller_of(self.auth, context.invocation_metadata()).name
+        refused = self._watchers.acquire(who)
+        if refused is not None:
+            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             yield from self._follow(job_id, max(0, request.after_seq), context)
         finally:
-            self._watchers.release()
+            self._watchers.release(who)
 
     def _follow(self, job_id: str, after: int,
                 context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
