@@ -16,6 +16,12 @@ Why this shape (DESIGN.md "Checkpoint storage"; USERS.md: stalls, killed runs, f
   full, storage errors, a deadline) becomes a `checkpoint_failed` event and training goes on;
   the previous committed version stays valid. `checkpoint` events carry true timings: total_s
   ends when the manifest is written; blocked_s is the longest any rank's training was held.
+- Events leave when they happen: with a listener (`listen`, what the rank loop uses) a save's
+  event is handed over by its writer's thread the moment the commit is written. Polled only
+  between steps, a commit that ended while training was blocked in a collective (a peer was
+  killed or hangs) or just before this process was killed was never told, though the version
+  is on storage. A rank killed between the manifest and the hand-over is the controller's to
+  tell: it reports commits it was not told of from the catalog (orchestrator/job/progress.py).
 - load(): rank 0 picks `latest_committed()` (damaged versions skipped), broadcasts the
   manifest, every rank checks the model hash, and `dcp.load` with `RawReader` reshards into this
   rank's layout; the data cursor and step (hence the LR schedule) come from the manifest.
@@ -34,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
@@ -97,23 +103,55 @@ class CheckpointManager:
         self._protect: set[int] = set()
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self._listener: Callable[[dict[str, Any]], None] | None = None
+        self._emitting = threading.Lock()  # one listener call at a time, in recording order
         self._closed = False
 
     # ---- events --------------------------------------------------------------------------
     def _record(self, event: dict[str, Any] | None) -> None:
         if event is None or event.get("event") == "checkpoint_written":
             return  # a non-zero rank's own write: rank 0's commit event reports the save
-        with self._lock:
-            self._events.append(event)
         log = logger.warning if event["event"] == "checkpoint_failed" else logger.info
         log("rank %d: %s", self.rank, event)
+        with self._emitting:
+            with self._lock:
+                listener = self._listener
+                if listener is None:
+                    self._events.append(event)
+            if listener is not None:
+                listener(event)
+
+    def listen(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Hand every event to `listener` as it is recorded, from then on instead of
+        `drain_events` (the events recorded before go first). A save's own event comes from
+        its writer's thread the moment the save ends: the training thread may be blocked in a
+        collective by then, or killed, and would never pass it on (module docstring)."""
+        with self._emitting:
+            with self._lock:
+                self._listener, pending, self._events = listener, self._events, []
+            for event in pending:
+                listener(event)
+
+    def _collect(self, flight: Flight, instead: dict[str, Any] | None = None) -> None:
+        """Record a finished save's event once, whoever sees the end first: its writer's
+        thread (`Flight.when_done`), `wait`, `drain_events` or a timed-out wait (`instead`:
+        the failure recorded for a save given up on; should it still commit, the commit is
+        recorded too, since the version then exists)."""
+        with self._lock:
+            event = flight.event if flight.done() else None
+            if flight.told == "event" or (flight.told == "instead" and (
+                    event is None or event.get("event") != "checkpoint")):
+                return
+            flight.told = "event" if event is not None else "instead"
+        self._record(event if event is not None else instead)
 
     def drain_events(self) -> list[dict[str, Any]]:
-        """Events recorded since the last call (finished saves are collected first)."""
+        """Events recorded since the last call (finished saves are collected first); always
+        empty once a listener takes them (`listen`)."""
         flight = self._flight
         if flight is not None and flight.done():
             self._flight = None
-            self._record(flight.event)
+            self._collect(flight)
         with self._lock:
             out, self._events = self._events, []
         return out
@@ -158,6 +196,7 @@ class CheckpointManager:
         planned = self._plan(step, started, started_wall)
         if planned is not None:
             self._flight = self.launcher.launch(*planned)  # a sync save's is already done
+            self._flight.when_done(self._collect)
 
     def _finish_previous(self, warn: bool = True) -> None:
         if self._flight is None:
@@ -169,7 +208,7 @@ class CheckpointManager:
             flight = self._flight
             if not flight.abandon(self.timeout_s):  # it is publishing: let it finish
                 flight.wait(self.timeout_s)
-            self._record(flight.event or failed_event(flight.step, str(exc), self.rank))
+            self._collect(flight, failed_event(flight.step, str(exc), self.rank))
             self._flight = None
             self.launcher.renew_stager()  # a late writer must not share our buffers
         waited = time.monotonic() - t0
@@ -225,7 +264,7 @@ class CheckpointManager:
                 f"save of step {flight.step} to {self.storage.uri} ({flight.mode} writer) did "
                 f"not finish in time on rank {self.rank}")
         self._flight = None
-        self._record(flight.event)
+        self._collect(flight)
         return flight.event
 
     def close(self) -> None:

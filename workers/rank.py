@@ -10,10 +10,12 @@ it on local processes for tests and debugging.
 
 Records: "started" (with the step it resumed at) and "step" go to `hooks.on_step`; checkpoint
 events and `eval` events (data.validation, workers/evaluation.py) to `hooks.on_event` (default
-`on_step`). `hooks.should_stop` is polled at every step
-boundary; when any rank says stop, all save at that boundary and the loop returns
-{"event": "stopped", ...}. `hooks.profile_request` (a running job's `tenax profile`) is agreed
-on in the same all-reduce, so every rank profiles the same steps. `hooks.faults` is a drill's
+`on_step`); a save's event is handed over by its writer's thread as the save ends, so hooks
+must take records from more than one thread (checkpoint/manager.py says why).
+`hooks.should_stop` is polled at every step boundary; when any rank says stop, all save at
+that boundary and the loop returns {"event": "stopped", ...}. `hooks.profile_request` (a
+running job's `tenax profile`) is agreed on in the same all-reduce, so every rank profiles the
+same steps. `hooks.faults` is a drill's
 fault injection (workers/chaos_injector.py), None in production: told before each step, it may
 kill or hang this process or stretch its compute. Rank 0 of a job with a `logging` section also
 hands its records to a tracker that writes TensorBoard / W&B off this thread (workers/tracking).
@@ -82,7 +84,8 @@ class FaultHook(Protocol):
 class RankHooks:
     """How the rank loop talks to whoever runs it (all optional)."""
     on_step: Callable[[Record], None] | None = None  # "started" and "step" records
-    on_event: Callable[[Record], None] | None = None  # checkpoint events (default: on_step)
+    # checkpoint events (default: on_step); a save's own also from its writer's thread
+    on_event: Callable[[Record], None] | None = None
     # liveness without a step: `evaluating` records of a validation run (workers/evaluation.py),
     # for the agent's hang clock only; never events
     on_progress: Callable[[Record], None] | None = None
@@ -174,6 +177,9 @@ def _train(spec: Any, layout: Any, options: RankOptions, hooks: RankHooks,
             hooks = tee_hooks(hooks, tracker)
             closing.enter_context(tracker)  # closed after the last save's events
         hooks.events(mgr.drain_events(), rank)
+        # from now on a save's event leaves from its writer's thread when the save ends: a
+        # step blocked on a dead or hung peer must not keep a committed version's event here
+        mgr.listen(lambda event: hooks.events([event], rank))
         snaps = snapshotter(spec, mgr, rank, world, options.memory)
         hooks.progress(stamp({"event": "started", "step": trainer.step,
                               "resumed_from": resumed, "source": source,

@@ -4,6 +4,7 @@
   while the state's tensors stay the same (storage checkpoints and snapshots share it).
 - `encode_plan`, `decode_plan`: a plan handed to the next process as JSON, never trusted.
 - `StateProvider`, `TrainerState`: what the manager needs from a trainer.
+- `commit_event`: the `checkpoint` event of a committed version, from its manifest.
 - `as_background`, `os_thread_name`, `SNAPSHOT_THREAD`, `WRITER_THREAD`: the low-priority
   threads that write and copy.
 
@@ -17,6 +18,7 @@ _MODULES = {
     "planning": ("PlanCache", "PlannedSave", "STEP_KEY", "SavePlans", "plan_save"),
     "plan_codec": ("decode_plan", "encode_plan"),
     "state": ("StateProvider", "TrainerState"),
+    "writer": ("commit_event",),
     "background": ("SNAPSHOT_THREAD", "WRITER_THREAD", "as_background", "os_thread_name"),
 }
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from tenax.checkpoint.errors import CheckpointWriteError
 from tenax.checkpoint.format.catalog import Catalog, version_name
-from tenax.checkpoint.format.manifest import METADATA_NAME, CommitInfo
+from tenax.checkpoint.format.manifest import METADATA_NAME, CommitInfo, Manifest
 from tenax.checkpoint.format.retention_policy import Retention
 from tenax.checkpoint.format.storage import MIN_BYTES_PER_S, Storage
 from tenax.checkpoint.save.background import WRITER_THREAD, as_background
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 WRITE_CHUNK = 8 << 20  # os.write releases the GIL per call; large calls keep Python out of it
 WRITER_NICE = 19  # background writers yield the cores to training (the bench's ablation sets 0)
 MARKER_FMT = "rank-{:05d}.json"
+SYNC_KEY = "sync"  # manifest extra: every rank saved synchronously (blocked_s is then total_s)
 FAULT_ENV, FAULT_RANKS_ENV = "TENAX_CKPT_FAULT", "TENAX_CKPT_FAULT_RANKS"
 
 
@@ -274,7 +275,8 @@ def _commit(job: SaveJob) -> dict[str, Any]:
         _check_live(job)
 
     info = replace(job.commit, blocked_s=0.0 if sync else blocked, started_at=earliest,
-                   extra={**job.commit.extra, "writer": job.mode}, expected_files=tuple(files))
+                   extra={**job.commit.extra, "writer": job.mode, SYNC_KEY: sync},
+                   expected_files=tuple(files))
     try:
         manifest = catalog.commit(info, before_publish=enter_gate)
         keep = job.retention
@@ -287,10 +289,19 @@ def _commit(job: SaveJob) -> dict[str, Any]:
     finally:
         if held:
             job.publish_gate.release()
-    blocked_s = manifest.total_s if sync else blocked
-    return {"event": "checkpoint", "step": job.step, "blocked_s": round(blocked_s, 6),
+    return commit_event(manifest)
+
+
+def commit_event(manifest: Manifest) -> dict[str, Any]:
+    """The `checkpoint` event of a committed version, from its manifest alone: what its writer
+    reports and what a controller that learns of the commit from the catalog reports.
+    `created_at` names the commit: a step saved again after a recovery is another commit."""
+    # every rank saved synchronously: training was blocked for the whole save
+    blocked_s = manifest.total_s if manifest.extra.get(SYNC_KEY) else manifest.blocked_s
+    return {"event": "checkpoint", "step": manifest.step, "blocked_s": round(blocked_s, 6),
             "total_s": round(manifest.total_s, 6), "bytes": manifest.total_bytes,
-            "mode": job.mode, "world_size": job.world}
+            "mode": str(manifest.extra.get("writer", "")), "world_size": manifest.world_size,
+            "created_at": manifest.created_at}
 
 
 # ---- runners -----------------------------------------------------------------------------
@@ -302,6 +313,9 @@ class Flight:
         self._job = job
         self._done = threading.Event()
         self.event: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._on_done: Callable[["Flight"], None] | None = None
+        self.told = ""  # what its manager recorded for it: "", "event" or "instead"
 
     def abandon(self, timeout_s: float) -> bool:
         """The caller gave up waiting: a writer that wakes up later must not commit.
@@ -318,8 +332,30 @@ class Flight:
         return True
 
     def finish(self, event: dict[str, Any]) -> None:
-        self.event = event
-        self._done.set()
+        with self._lock:
+            self.event = event
+            self._done.set()
+            call = self._on_done
+        if call is None:
+            return
+        try:  # on the writer's thread, the moment the save ended
+            call(self)
+        except Exception as exc:  # whoever listens is gone (the rank is ending): log it
+            logger.error("checkpoint step %d: telling its end failed: %s: %s", self.step,
+                         type(exc).__name__, exc)
+
+    def when_done(self, callback: Callable[["Flight"], None]) -> None:
+        """Call `callback(flight)` once the save ended: now if it has, else from `finish`.
+
+        Why: a rank that polls for the end only between its steps never hears of it once it
+        is blocked in a collective (a peer died or hangs) or is killed first, though the
+        version is committed; told at once, the event leaves the rank right after the commit.
+        """
+        with self._lock:
+            self._on_done = callback
+            done = self._done.is_set()
+        if done:
+            callback(self)
 
     def done(self) -> bool:
         return self._done.is_set()

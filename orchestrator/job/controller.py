@@ -47,7 +47,7 @@ from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, 
 from tenax.orchestrator.job.job_policy import (JobAction, JobDecision, JobSnapshot, Limits,
                                                decide, restart_or_fail)
 from tenax.orchestrator.job.options import ControllerOptions, Observer, Subscriber
-from tenax.orchestrator.job.progress import JobProgress
+from tenax.orchestrator.job.progress import JobProgress, committed_events
 from tenax.orchestrator.job.scaling_policy import (ScalingPolicy, allotted_capacity,
                                                    preempt_decision)
 from tenax.orchestrator.job.states import JobState, next_state, state_deadline_s
@@ -88,7 +88,9 @@ class Controller:
         self.failures = FailureRecovery(self.job_id, spec, self.recovery, self.lost_slots,
                                         self.publish)
         self.progress = JobProgress(self.job_id, Goodput(self.state_since,
-                                                         launched_at=options.launched_at))
+                                                         launched_at=options.launched_at),
+                                    read_commits=committed_events(spec.checkpoint.uri,
+                                                                  self.timeouts.probe_s))
         self.next_capacity_check = time.monotonic() + CAPACITY_CHECK_S
         # Placing and starting actors on a loaded host can take longer than a step may hang;
         # it gets the same allowance as a rank that is still starting.
@@ -177,6 +179,7 @@ class Controller:
                 self.step_once()
         except KeyboardInterrupt:
             self.cancel_requested = True
+            self._stop_group()  # before the end is told: no rank may commit after it
             self._transition(JobState.CANCELLED, f"interrupted ({self._interrupted_by})")
         finally:
             self._stop_group()
@@ -291,6 +294,9 @@ class Controller:
             self.goodput.end()
         if new == JobState.FAILED:
             self.cause = reason
+        if new.terminal:  # the ranks are done or stopped: storage has every commit now
+            for notice in self.progress.untold_commits():
+                self.publish(notice.event, **notice.fields)
         self.publish("state", state=new.value, reason=reason)
 
     def publish(self, event: str, /, **fields: Any) -> None:
