@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from tenax.workers.chaos_injector import slow_down
 from tenax.workers.data import (IGNORE_INDEX, TokenDataLoader, document_mask, document_positions,
                                 documents_eos_id, mask_eos_targets)
 from tenax.workers.spec import JobSpec
+
+if TYPE_CHECKING:
+    from tenax.parallel import PipelineRunner
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +169,7 @@ class Trainer:
         for part in self.parts:
             part.positions = positions
 
-    def _build_pipeline(self):
+    def _build_pipeline(self) -> "PipelineRunner":
         from tenax.parallel import PipelineRunner
 
         n_stages = self.layout.pp * self.layout.pp_virtual_stages
