@@ -71,6 +71,10 @@ def test_a_fresh_peer_loss_waits_a_moment_for_its_root_cause():
     real = snap(rank(0, state="failed", error="ValueError: bad batch", step_age_s=0.3), rank(1))
     assert policy.make_decision(real).action == JobAction.RESTART
     assert peer_loss("NCCL communicator was aborted on rank 3") and not peer_loss(None)
+    # a crashed node's agents never report: once its raylet is found down, no need to wait
+    crashed = snap(rank(0, state="failed", error=gloo, step_age_s=0.3), rank(2),
+                   nodes_down=("n1",))
+    assert policy.make_decision(crashed).action == JobAction.RESTART
 
 
 def test_heartbeat_timeout_and_hang():

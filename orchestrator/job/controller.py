@@ -259,7 +259,8 @@ class Controller:
             state_deadline_s=state_deadline_s(self.state, self.timeouts),
             cancel_requested=self.cancel_requested, stragglers=self.new_flags,
             capacity_nodes=capacity, current_nodes=-(-world // self.limits.gpus_per_node),
-            target_nodes=self._target_nodes, **self.failures.snapshot_facts())
+            target_nodes=self._target_nodes, **self.failures.snapshot_facts(),
+            nodes_down=self.failures.nodes_down(ranks) if self.state == JobState.RUNNING else ())
 
     def _idle(self) -> None:
         """Nothing new: until the next heartbeat poll, a request, or a training process's end."""

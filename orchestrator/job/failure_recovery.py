@@ -19,8 +19,9 @@ from typing import Any, Callable
 from tenax.orchestrator.job.diagnostics import hang_evidence
 from tenax.orchestrator.job.facts import Recovery
 from tenax.orchestrator.job.inbox import NodeLostReport
-from tenax.orchestrator.job.job_policy import (JobDecision, JobSnapshot, NodeLossPolicy,
-                                               own_error)
+from tenax.orchestrator.job.job_policy import (PEER_LOSS_GRACE_S, JobDecision, JobSnapshot,
+                                               NodeLossPolicy, own_error, peer_loss)
+from tenax.orchestrator.placement.capacity import raylets_down
 from tenax.orchestrator.placement.worker_group import WorkerGroup
 from tenax.orchestrator.spec import JobSpec
 
@@ -41,6 +42,23 @@ class FailureRecovery:
                  publish: Publish) -> None:
         self.job_id, self.spec, self.publish = job_id, spec, publish
         self.facts, self.lost_slots = facts, lost_slots
+        self._symptoms: frozenset[int] = frozenset()  # the peer-gone ranks last checked for
+        self._down: tuple[str, ...] = ()  # ... and the job's nodes found down then
+
+    def nodes_down(self, ranks: tuple[Any, ...]) -> tuple[str, ...]:
+        """While ranks report only a peer gone (job_policy's PEER_LOSS grace, waiting for the
+        rank or node that is gone to show), the job's nodes whose raylet refuses connections.
+        A crashed node's agents never report (Ray takes ~14 s to declare them dead): found
+        here, the grace need not run out first. Checked once per set of such ranks."""
+        fresh = frozenset(r.rank for r in ranks if r.state == "failed" and peer_loss(r.error)
+                          and r.step_age_s < PEER_LOSS_GRACE_S)
+        if fresh and fresh != self._symptoms:
+            self._down = tuple(sorted(raylets_down(tuple(sorted({r.node_id for r in ranks})))))
+            if self._down:
+                logger.warning("job %s: ranks %s lost a peer and node(s) %s refuse connections",
+                               self.job_id, sorted(fresh), ", ".join(n[:8] for n in self._down))
+        self._symptoms = fresh
+        return self._down if fresh else ()
 
     def note_node_lost(self, report: NodeLostReport) -> None:
         """A node-lost report from the inbox: RECOVERING counts the block as lost."""

@@ -92,6 +92,7 @@ class JobSnapshot:
     refused: tuple[str, ...] = ()  # nodes whose probe could not run (unreachable)
     failure_reason: str = ""
     previous_error: tuple[int, str] | None = None  # (step, error) of the previous failure
+    nodes_down: tuple[str, ...] = ()  # RUNNING: job nodes whose raylet refuses connections
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,9 @@ def only_fresh_symptoms(snap: JobSnapshot, ranks: set[int]) -> bool:
     """Every failing rank reports a peer gone, for less than PEER_LOSS_GRACE_S: the rank or
     node that is gone has not shown yet, and blaming these would name the wrong rank."""
     failing = [r for r in snap.ranks if r.rank in ranks]
-    return all(r.state == "failed" and peer_loss(r.error) and r.step_age_s < PEER_LOSS_GRACE_S
-               for r in failing)
+    return not snap.nodes_down and all(  # a node found down is what is gone: no need to wait
+        r.state == "failed" and peer_loss(r.error) and r.step_age_s < PEER_LOSS_GRACE_S
+        for r in failing)
 
 
 def _stalled(snap: JobSnapshot) -> list[int]:
