@@ -45,6 +45,10 @@ def test_killed_rank_resumes_from_memory_losing_at_most_one_step(tmp_path, clean
     assert recovered["source"] == "memory"  # the agents' snapshots, not checkpoint step 10
     assert recovered["step"] in (11, 12) and recovered["lost_steps"] <= 1
     assert job.of("placed")[-1]["mode"] == "warm"
+    # timed to rank 0's start, not to the poll that saw it: before the first resumed step
+    resumed = [e for e in job.of("step") if e["time"] > failure["time"]][0]
+    assert failure["time"] < recovered["time"] <= resumed["time"]
+    assert recovered["seconds"] <= recovered["time"] - failure["time"] + 0.05
     assert_same_losses(job.losses(), clean.losses())
     assert job.controller.restarts == 1 and job.controller.lost_steps <= 1
     # Rank 0's first snapshot of each attempt is told (what one costs), not one per step

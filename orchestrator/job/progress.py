@@ -191,12 +191,18 @@ class JobProgress:
         self.goodput.lost_steps(lost)
         source = memory_source if record.get("source") == "memory" else \
             record.get("source") or "none"
-        seconds = round(time.monotonic() - failed_at, 3)
+        elapsed = time.monotonic() - failed_at
+        # Until rank 0 started, not until this poll saw it (a heartbeat later): its record's
+        # own time, on the rank's clock (clamped: another host's clock may be skewed).
+        told = time.time() - float(record.get("time", time.time()))
+        seconds = round(elapsed - min(max(told, 0.0), elapsed), 3)
         logger.info("job %s: recovered at step %d from %s in %.2fs, %d step(s) lost",
                     self.job_id, resumed, source, seconds, lost)
-        return Notice("recovered", {"step": resumed, "layout": layout.degrees(),
-                                    "world_size": layout.world_size, "lost_steps": lost,
-                                    "seconds": seconds, "source": source}, closes="recovery")
+        fields = {"step": resumed, "layout": layout.degrees(), "world_size": layout.world_size,
+                  "lost_steps": lost, "seconds": seconds, "source": source}
+        if "time" in record:
+            fields["time"] = record["time"]
+        return Notice("recovered", fields, closes="recovery")
 
 
 def relayed(record: dict[str, Any]) -> Notice:
