@@ -144,6 +144,11 @@ def _expand(ctx: PlanContext, degrees: tuple[int, ...], schedule: str, v: int,
     per_dp = ctx.gbs // dp if ctx.gbs % dp == 0 else 0
     free_mbs = [d for d in _divisors(per_dp) if d <= ctx.max_micro_batch] if per_dp else [1]
     for zero in ctx.choices("zero", ZERO_PREFERENCE):
+        if zero != 1:  # a stage may rule itself out (zero 3 cannot shard ep-sharded experts)
+            staged = ParallelLayout(*degrees, zero, 1, schedule, v).problems(ctx.model, ctx.gpus)
+            if staged:
+                rejected[_template(staged[0])] += 1
+                continue
         for mbs in ctx.choices("micro_batch_size", free_mbs):
             lay = ParallelLayout(*degrees, zero, mbs, schedule, v)
             problems = lay.batch_problems(ctx.gbs)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -59,35 +61,44 @@ def test_a_worker_that_dies_fails_the_prepare_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupting_the_cli_prepare_leaves_nothing(tmp_path, capsys, signum):
+def test_interrupting_the_cli_prepare_leaves_nothing(tmp_path, signum):
     """Ctrl-C, or SIGTERM (kill, a scheduler's limit), while prepare runs: exit 130, no
-    `.bin`/`.idx` and no temporary files, and the directory `--out` created is gone too."""
+    `.bin`/`.idx` and no temporary files, and the directory `--out` created is gone too. Run
+    as a user runs it, in a process of its own: a signal that lands while a process starts
+    its multiprocessing forkserver may leave that forkserver unusable, which only the
+    interrupted process may pay for, never the test run."""
     tok = make_hf_tokenizer(tmp_path / "tokenizer.json")
     text = corpus_text(lines=400)
     inputs = jsonl(tmp_path / "in.jsonl", [text] * 400)  # seconds of tokenizing on 1 worker
     out = tmp_path / "new" / "dir" / "ds"
     before = sorted(tmp_path.iterdir())
-    stop = threading.Event()
-
-    def interrupt_once_writing() -> None:  # the writer's temporary .bin marks the start
-        while not stop.is_set():
-            if any((tmp_path / "new" / "dir").glob("ds.bin.tmp-*")):
-                os.kill(os.getpid(), signum)
-                return
-            stop.wait(0.01)
-
-    killer = threading.Thread(target=interrupt_once_writing, daemon=True)
-    killer.start()
-    try:
-        code = main(["data", "prepare", inputs, "--out", str(out), "--tokenizer", str(tok),
-                     "--workers", "1"])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "tenax.orchestrator.cli.main", "data",
+                             "prepare", inputs, "--out", str(out), "--tokenizer", str(tok),
+                             "--workers", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:  # the writer's temporary .bin marks the start of the writing
+        while not any((tmp_path / "new" / "dir").glob("ds.bin.tmp-*")):
+            assert proc.poll() is None, "prepare ended before it wrote anything"
+            threading.Event().wait(0.01)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
     finally:
-        stop.set()
-        killer.join()
-    assert code == 130
-    assert f"interrupted: nothing was written at {out}" in capsys.readouterr().err
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert f"interrupted: nothing was written at {out}" in err
     assert sorted(tmp_path.iterdir()) == before
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+
+def test_the_sigterm_handler_of_prepare_is_put_back() -> None:
+    from tenax.orchestrator.cli.data import sigterm_interrupts
+
+    previous = signal.getsignal(signal.SIGTERM)  # another test's Ray may have set its own
+    with sigterm_interrupts():
+        assert signal.getsignal(signal.SIGTERM) is not previous
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_an_error_leaves_no_directory_that_out_created(tmp_path):

@@ -313,3 +313,18 @@ def test_cpu_slots_plan_with_the_hosts_memory(capsys, tmp_path) -> None:
     assert doc["global_batch_size"] == 16
     gpu = _plan_cli(capsys, "--model-preset", "tiny", "--gpus", "4", "--gpus-per-node", "2")
     assert gpu["memory_budget_gib"] == pytest.approx(80 * 0.9)
+
+
+def test_an_moe_model_is_never_planned_with_zero3_experts() -> None:
+    """zero 3 cannot shard ep-sharded experts: a stage that rules itself out is skipped, even
+    when nothing fits and the planner reports its nearest miss."""
+    model = ModelArgs(dim=8, n_layers=5, n_heads=4, n_kv_heads=1, vocab_size=2, seq_len=64,
+                      ffn_hidden=54, moe=MoEArgs(num_experts=2, top_k=1))
+    for mem in (0.0001, 80.0):
+        try:
+            result = plan_layout(model, Cluster(6, 1, gpu_mem_gib=mem),
+                                 PlanOptions(global_batch_size=6))
+        except PlanError as err:
+            assert "zero3" not in str(err).split("smallest need found")[-1]
+            continue
+        check_plan(result, model, 6, 1)

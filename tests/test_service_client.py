@@ -34,3 +34,16 @@ def test_a_positive_timeout_reaches_the_call(capsys):
     """Nothing listens on port 1: the call itself fails (exit 1), the flag was fine."""
     assert main(["status", "--server", "127.0.0.1:1", "--timeout", "2.5"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_a_ray_tmpdir_too_long_for_rays_sockets_is_passed_over(monkeypatch, tmp_path) -> None:
+    """Ray's socket paths (< 108 bytes) go below the embedded Ray's temp dir: a RAY_TMPDIR
+    that leaves them no room would fail `ray.init`, so the system temp dir is used then."""
+    from tenax.orchestrator.service.submission import ray_temp_parent
+
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp/tx")
+    assert ray_temp_parent() == "/tmp/tx"
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / ("x" * 40)))
+    assert ray_temp_parent() is None
+    monkeypatch.delenv("RAY_TMPDIR")
+    assert ray_temp_parent() is None

@@ -57,10 +57,22 @@ class RayLink:
             self.temp_dir = None
 
 
+# What Ray puts below its temp dir before a socket's name ("/tenax-ray-XXXXXXXX", then
+# "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store"), and the AF_UNIX path limit.
+RAY_SOCKET_SUFFIX = 19 + 44 + 21
+AF_UNIX_MAX = 107
+
+
 def ray_temp_parent() -> str | None:
     """Where the embedded Ray's temp dir goes: $RAY_TMPDIR (Ray's own setting, which an explicit
-    `_temp_dir` would otherwise override), else the system temp dir."""
+    `_temp_dir` would otherwise override), else the system temp dir (None). A $RAY_TMPDIR too
+    long for Ray's socket paths would fail `ray.init`: the system temp dir then, logged."""
     parent = os.environ.get("RAY_TMPDIR") or None
+    if parent and len(os.path.abspath(parent)) + RAY_SOCKET_SUFFIX > AF_UNIX_MAX:
+        logger.info("RAY_TMPDIR %s is too long for Ray's socket paths (%d bytes at most): the "
+                    "embedded Ray's temp dir goes to %s", parent, AF_UNIX_MAX,
+                    tempfile.gettempdir())
+        return None
     if parent:
         os.makedirs(parent, exist_ok=True)
     return parent
