@@ -22,14 +22,13 @@ from typing import Iterable
 
 import torch
 
-from tenax.workers.data.sources import IndexedSource, TokenSource
+from tenax.workers.data.sources import DOCUMENT_END_CHECKS, IndexedSource, TokenSource
 from tenax.workers.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 BYTE_EOS_ID = 256
-EOS_CHECK_DOCUMENTS = 64  # documents whose last token must be the EOS
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -97,8 +96,9 @@ def documents_eos_id(data_spec: DataSpec, cp: int, pp: int) -> int | None:
 
 def check_document_ends(data_spec: DataSpec, sources: Iterable[TokenSource]) -> None:
     """With data.document_mask or data.mask_eos_loss, the last token of each indexed source's
-    first EOS_CHECK_DOCUMENTS documents must be the resolved EOS; ValueError otherwise (naming
-    the field, the URI and the EOS id, never a token of the data)."""
+    first DOCUMENT_END_CHECKS documents (read as it opened) must be the resolved EOS;
+    ValueError otherwise (naming the field, the URI and the EOS id, never a token of the
+    data)."""
     if not (data_spec.document_mask or data_spec.mask_eos_loss):
         return
     indexed = [s for s in sources if isinstance(s, IndexedSource)]
@@ -107,6 +107,6 @@ def check_document_ends(data_spec: DataSpec, sources: Iterable[TokenSource]) -> 
     eos = resolve_eos_id(data_spec)
     field = "data.document_mask" if data_spec.document_mask else "data.mask_eos_loss"
     for source in indexed:
-        if (source.dataset.last_tokens(EOS_CHECK_DOCUMENTS) != eos).any():
+        if (source.document_ends != eos).any():
             raise ValueError(f"{field}: documents of {source.uri!r} do not end with eos id {eos}; "
                              f"set data.tokenizer or data.eos_id (Megatron: --append-eod)")

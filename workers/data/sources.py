@@ -168,16 +168,17 @@ class IndexedSource:
         self.dataset = IndexedDataset(uri)
         self.n_tokens = int(self.dataset.num_tokens)
         self.num_samples = _num_windows(self.n_tokens, seq_len, uri, field)
-        self.check_document_ends()
+        self.read_document_ends()
         logger.info("indexed dataset %s: %d documents, %d tokens, %d samples of %d", uri,
                     self.dataset.num_docs, self.n_tokens, self.num_samples, seq_len)
 
-    def check_document_ends(self) -> None:
+    def read_document_ends(self) -> None:
         """The last tokens of the first documents (each an EOS, in prepared data) lie inside
         the vocabulary: data of a larger tokenizer (a byte-level set, EOS 256, under
         model.vocab_size=128) is refused on open, not at the first window that holds one of
-        its ids after some steps have already trained on it."""
-        last = self.dataset.last_tokens(DOCUMENT_END_CHECKS)
+        its ids after some steps have already trained on it. They are kept as `document_ends`
+        (the document masks check them against the EOS without reading them again)."""
+        last = self.document_ends = self.dataset.last_tokens(DOCUMENT_END_CHECKS)
         if ((last < 0) | (last >= self.vocab_size)).any():
             raise ValueError(f"{self.field}: a token id outside [0, model.vocab_size="
                              f"{self.vocab_size}) ends one of the first {DOCUMENT_END_CHECKS} "
