@@ -11,9 +11,10 @@ import json
 import logging
 import signal
 import sys
-import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator
+
+from tenax.orchestrator.cli.signals import handling_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +28,12 @@ def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM (`kill`, a batch scheduler's time limit) stops prepare the way Ctrl-C does: a
     KeyboardInterrupt, so the partial output is removed; by default SIGTERM ends the process
     on the spot and leaves the temporary `.bin` behind."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set on the main thread
-        return
-
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with handling_sigterm(handler):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import sys
 import threading
 from typing import Any, Iterator, TextIO
@@ -18,6 +17,7 @@ from typing import Any, Iterator, TextIO
 from rich.markup import escape
 
 from tenax.orchestrator.chaos.faults import parse_chaos, validate_for_job
+from tenax.orchestrator.cli.signals import handling_sigterm
 from tenax.orchestrator.spec import JobSpec
 from tenax.workers import human, layout_text
 
@@ -62,9 +62,6 @@ def sigterm_interrupts(controller: Any) -> Iterator[None]:
     them. Why not rely on SIGINT alone: a job started in the background (`nohup ... &`) has
     SIGINT ignored, and schedulers send SIGTERM. A second SIGTERM while stopping is logged,
     not raised, so the stop itself is never cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set on the main thread
-        return
     fired = threading.Event()
 
     def handler(signum: int, frame: Any) -> None:
@@ -79,11 +76,8 @@ def sigterm_interrupts(controller: Any) -> Iterator[None]:
         controller.note_interrupt("SIGTERM")
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with handling_sigterm(handler):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class EventSink:
