@@ -111,6 +111,16 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+def kill_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line mentions `text`: what a test started under its
+    private temp dir and left running (only those)."""
+    for pid in pids_mentioning(text):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class ServerProcess:
     """`tenax serve` in a subprocess; `port` once its ready line was printed."""
 

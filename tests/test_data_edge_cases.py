@@ -23,27 +23,17 @@ from tenax.orchestrator.cli.main import main
 from tenax.workers.data import (IndexedDatasetWriter, TokenDataLoader, load_tokenizer, open_uri,
                                 prepare_dataset)
 from tenax.workers.spec import DataSpec
+from tests.test_data_prepare import StubTokenizer
 from tests.test_tokenizer import corpus_text, make_hf_tokenizer, make_sentencepiece
 
 
-class DyingTokenizer:
+class DyingTokenizer(StubTokenizer):
     """Kills its own worker process on a document holding "die", as the OOM killer would."""
-
-    vocab_size, eos_id = 300, 299
 
     def encode(self, text: str) -> list[int]:
         if "die" in text:
             os.kill(os.getpid(), signal.SIGKILL)
         return [1]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-    def files(self) -> list[str]:
-        return []
 
 
 def jsonl(path: Path, texts: list[str]) -> str:
@@ -207,10 +197,8 @@ def test_out_naming_a_directory_is_refused(tmp_path, monkeypatch, capsys):
     assert list((tmp_path / "data").iterdir()) == []
 
 
-class BlockingTokenizer:
+class BlockingTokenizer(StubTokenizer):
     """Writes its worker's pid to `marker`, then tokenizes forever."""
-
-    vocab_size, eos_id = 300, 299
 
     def __init__(self, marker: str) -> None:
         self.marker = marker

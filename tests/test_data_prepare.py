@@ -154,13 +154,14 @@ def test_bad_parquet_and_txt_inputs_fail_clearly(tmp_path):
     assert sorted(tmp_path.iterdir()) == before
 
 
-class HugeIdTokenizer:
-    """Claims a small vocabulary but emits an id that does not fit uint16."""
+class StubTokenizer:
+    """A tokenizer object for prepare_dataset: every document is token 1; subclasses make
+    chosen documents misbehave."""
 
     vocab_size, eos_id = 300, 299
 
     def encode(self, text: str) -> list[int]:
-        return [70000] if "boom" in text else [1]
+        return [1]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -170,6 +171,13 @@ class HugeIdTokenizer:
 
     def files(self) -> list[str]:
         return []
+
+
+class HugeIdTokenizer(StubTokenizer):
+    """Claims a small vocabulary but emits an id that does not fit uint16."""
+
+    def encode(self, text: str) -> list[int]:
+        return [70000] if "boom" in text else [1]
 
 
 def test_token_id_beyond_the_dtype_names_the_document(tmp_path):

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,8 +24,8 @@ import pytest
 from tenax.testing.jobs import job_overrides
 from tenax.proto import jobs_pb2 as pb
 from tests.service_helpers import (REPO, ServerProcess, auth, bad_rpcs, bad_specs, children,
-                                   code_of, fuzz_call, of, pids_mentioning, run_cli, states, stub,
-                                   submit, wait_until, watch)
+                                   code_of, fuzz_call, kill_mentioning, of, pids_mentioning,
+                                   run_cli, states, stub, submit, wait_until, watch)
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "t0ken-for-tests"
@@ -377,11 +376,7 @@ def test_embedded_server_sigterm_keeps_jobs_resumable_and_stops_its_ray(tmp_path
     finally:
         if server is not None:
             server.kill()
-        for pid in pids_mentioning(private):  # only what this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_mentioning(private)  # only what this test started
         shutil.rmtree(private, ignore_errors=True)
     from tenax.orchestrator.service.store import JobStore
 

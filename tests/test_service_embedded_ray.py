@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.service_helpers import ServerProcess, pids_mentioning, wait_until
+from tests.service_helpers import ServerProcess, kill_mentioning, pids_mentioning, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,10 +38,6 @@ def test_embedded_ray_temp_dir_follows_ray_tmpdir_and_is_removed_at_exit(tmp_pat
     finally:
         if server is not None:
             server.kill()
-        for pid in pids_mentioning(ray_tmp):  # only what this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_mentioning(ray_tmp)  # only what this test started
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(other_tmp, ignore_errors=True)
