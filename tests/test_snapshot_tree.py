@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -140,6 +141,75 @@ def test_an_unsafe_fallback_is_skipped_the_same_way(base, tmp_path):
     os.symlink(tmp_path, f"{expected}-1")
     assert snapshot_root() == f"{expected}-2" == _root_in_another_process()
     assert _mode(f"{expected}-2") == 0o700
+
+
+BASE_LOG = "tenax.checkpoint.memory.snapshot_base"
+
+
+def _base_warnings(caplog, chosen) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == BASE_LOG and f"directory {chosen} " in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o700, 0o755])
+def test_a_base_only_we_can_swap_entries_in_is_used(tmp_path, monkeypatch, caplog, mode):
+    """Sticky (as /dev/shm and /tmp are) or closed to others: used as it is, no warning."""
+    chosen = tmp_path / "base"
+    chosen.mkdir()
+    os.chmod(chosen, mode)
+    monkeypatch.setenv(SNAPSHOT_ENV, str(chosen))
+    with caplog.at_level(logging.WARNING, logger=BASE_LOG):
+        assert snapshot_root() == _expected(chosen) == _root_in_another_process()
+    assert _base_warnings(caplog, chosen) == [] and _mode(str(chosen)) == mode
+
+
+def _make_unsafe(tmp_path, unsafe: str) -> tuple[str, str]:
+    """A base (as $TENAX_SNAPSHOT_DIR names it) another user could swap entries in, and what
+    the warning must say."""
+    chosen = tmp_path / "base"
+    if unsafe in ("world", "group"):  # writable by others, no sticky bit
+        chosen.mkdir()
+        mode = 0o777 if unsafe == "world" else 0o770
+        os.chmod(chosen, mode)
+        return str(chosen), f"mode {mode:04o}: others may write to it and it has no sticky bit"
+    if unsafe == "parent":  # ours and 0700, made now, but in an open directory
+        os.chmod(tmp_path, 0o777)
+        return str(chosen), f"{tmp_path} has mode 0777"
+    if unsafe == "link":  # a link to an open directory
+        (tmp_path / "open").mkdir()
+        os.chmod(tmp_path / "open", 0o777)
+        os.symlink(tmp_path / "open", chosen)
+        return str(chosen), f"{tmp_path / 'open'} has mode 0777"
+    chosen.mkdir()  # another user's: they may rename what is in it, sticky or not
+    os.chown(chosen, STRANGER, -1)
+    os.chmod(chosen, 0o1755)
+    return str(chosen), f"owned by uid {STRANGER}"
+
+
+@pytest.mark.parametrize("unsafe", ["world", "group", "parent", "link", "stranger"])
+def test_a_base_others_may_swap_entries_in_is_never_used(tmp_path, monkeypatch, caplog, unsafe):
+    """Without the sticky bit anyone who may write to the base may rename our checked tree
+    away and put theirs in its place: the next safe default stands in, the same in every
+    process, and one warning names the base, its mode and why. (As root the permission
+    checks are bypassed, so this holds the mode logic, not another user's access.)"""
+    if unsafe == "stranger":
+        _needs_root()
+    chosen, reason = _make_unsafe(tmp_path, unsafe)
+    monkeypatch.setenv(SNAPSHOT_ENV, chosen)
+    with caplog.at_level(logging.WARNING, logger=BASE_LOG):
+        root = snapshot_root()
+        assert snapshot_root() == root  # warned once per process
+    real = os.path.realpath(chosen)
+    assert not root.startswith((chosen + os.sep, real + os.sep)), root
+    assert os.path.dirname(root) in ("/dev/shm", tempfile.gettempdir()), root
+    assert os.path.basename(root).startswith(f"tenax-snapshots-{os.getuid()}")
+    assert _root_in_another_process() == root
+    said = _base_warnings(caplog, chosen)
+    assert len(said) == 1 and reason in said[0] and os.path.dirname(root) in said[0], said
+    assert f"(mode {_mode(chosen):04o})" in said[0], said
+    assert os.listdir(chosen) == []  # nothing made in it
+    if unsafe == "parent":  # a missing $TENAX_SNAPSHOT_DIR is still made, 0700
+        assert _mode(chosen) == 0o700
 
 
 def test_restore_files_are_ours_alone(base):

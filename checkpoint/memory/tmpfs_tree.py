@@ -1,17 +1,21 @@
 """The snapshot tree on a node's tmpfs: where it is, that it is ours alone, and which jobs in
 it are gone.
 
-Where: `$TENAX_SNAPSHOT_DIR`, else /dev/shm, else the temp dir, under
-`tenax-snapshots-<uid>`. /dev/shm is writable by every user, so the directory is checked
-before it is used: created 0700, it must be a real directory (not a symlink: `os.lstat`),
-owned by this user and closed to everyone else. A directory of this user that is only too open
-(0755, as older versions made it) is tightened to 0700 once every entry in it is found to be
-this user's. Any other unsafe one (another user made it first, a link points elsewhere, it
-holds another user's entries) is never written through: snapshots go to the first safe
-`tenax-snapshots-<uid>-<n>` (n = 1, 2, ...) next to it, with a warning naming the reason. Every
-process of the user walks the same list, so the agents, the sweep and the controller's room
-estimate all agree on one directory. Every file in the tree is created 0600 with O_NOFOLLOW
-and every directory 0700.
+Where: under the base directory, `tenax-snapshots-<uid>`. The base (`snapshot_base`: see that
+module) is `$TENAX_SNAPSHOT_DIR` (made 0700 when missing), else /dev/shm, else the temp dir,
+the first of them that no other user can swap entries in: one that others may write to without
+the sticky bit (0777, not 1777), or that another user (not root) owns, is never used, nor one
+below such a directory; a warning names it, its mode and why. /dev/shm is writable by every
+user, so the tree directory is checked before it is used: created 0700, it must be a real
+directory (not a symlink: `os.lstat`), owned by this user and closed to everyone else. A
+directory of this user that is only too open (0755, as older versions made it) is tightened to
+0700 once every entry in it is found to be this user's. Any other unsafe one (another user made
+it first, a link points elsewhere, it holds another user's entries) is never written through:
+snapshots go to the first safe `tenax-snapshots-<uid>-<n>` (n = 1, 2, ...) next to it, with a
+warning naming the reason. Every process of the user walks the same lists, so the agents, the
+sweep and the controller's room estimate all agree on one directory; only when no base or no
+slot is safe does a process take a private `mkdtemp` directory of its own. Every file in the
+tree is created 0600 with O_NOFOLLOW and every directory 0700.
 
 Which jobs are gone: every agent that keeps a job's snapshots on this node holds a shared
 `flock` on `<job dir>/.lock` for as long as it lives (`JobLock`); the kernel drops it when
@@ -36,9 +40,12 @@ import tempfile
 import threading
 import time
 
+# SNAPSHOT_ENV, makedirs_private and snapshot_base are imported from here by other modules too
+from tenax.checkpoint.memory.snapshot_base import (SNAPSHOT_ENV, makedirs_private, safe_base,
+                                                   snapshot_base)
+
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_ENV = "TENAX_SNAPSHOT_DIR"
 LOCK_NAME = ".lock"
 STALE_GRACE_S = 60.0  # a job directory without a lock file this old is a leftover
 FALLBACK_SLOTS = 16  # shared fallbacks tried before a private last resort
@@ -49,14 +56,6 @@ _rejected: dict[str, tuple[_Identity, str]] = {}  # path -> (its state, why it w
 _said: set[tuple[str, str]] = set()  # (expected root, root used) already logged
 _private: dict[str, str] = {}  # expected root -> this process's last-resort directory
 _state_lock = threading.Lock()
-
-
-def _base() -> str:
-    base = os.environ.get(SNAPSHOT_ENV)
-    if not base:
-        shm = "/dev/shm"
-        base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return base
 
 
 def tree_name() -> str:
@@ -85,11 +84,13 @@ def unsafe_reason(path: str) -> str:
 
 
 def snapshot_root() -> str:
-    """The checked root of this user's snapshot tree (created 0700 when missing): the shared
-    one, else the first safe shared fallback next to it; the same in every process."""
-    base = _base()
-    if not os.path.lexists(base):  # a $TENAX_SNAPSHOT_DIR not made yet: else every process
-        makedirs_private(base)  # fell back to a private tree no sweep or estimate ever saw
+    """The checked root of this user's snapshot tree (created 0700 when missing) under the
+    base (`safe_base`): the shared one, else the first safe shared fallback next to it;
+    the same in every process."""
+    base = safe_base()
+    if base is None:
+        return _private_root(os.path.join(tempfile.gettempdir(), tree_name()), None,
+                             "no snapshot base directory is safe to use")
     root = os.path.join(base, tree_name())
     why = _claim(root)
     if not why:
@@ -100,14 +101,19 @@ def snapshot_root() -> str:
         if not _claim(slot):
             _say(root, slot, why)
             return slot
+    return _private_root(root, base, f"snapshot directory {root} is not safe to use ({why}) "
+                                     f"and neither is any of {root}-1..{FALLBACK_SLOTS}")
+
+
+def _private_root(root: str, where: str | None, why: str) -> str:
+    """The last resort: a private directory of this process under `where` (None: the temp
+    dir), made once per expected `root`."""
     with _state_lock:
         if root not in _private:
-            _private[root] = tempfile.mkdtemp(prefix=f"{tree_name()}-",
-                                              dir=base if os.path.isdir(base) else None)
-            logger.error("snapshot directory %s is not safe to use (%s) and neither is any of "
-                         "%s-1..%d; this process uses the private directory %s: other "
-                         "processes (the sweep, the controller's room estimate) do not see it",
-                         root, why, root, FALLBACK_SLOTS, _private[root])
+            _private[root] = tempfile.mkdtemp(prefix=f"{tree_name()}-", dir=where)
+            logger.error("%s; this process uses the private directory %s: other processes "
+                         "(the sweep, the controller's room estimate) do not see it", why,
+                         _private[root])
         return _private[root]
 
 
@@ -210,19 +216,6 @@ def job_dir(job_id: str) -> str:
     return os.path.join(snapshot_root(), file_name_of(job_id))
 
 
-def makedirs_private(path: str) -> None:
-    """`os.makedirs(path, exist_ok=True)` whose every directory made is 0700 (os.makedirs
-    gives the parents it makes the default mode, 0755)."""
-    parent = os.path.dirname(path)
-    if parent and parent != path and not os.path.isdir(parent):
-        makedirs_private(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        if not os.path.isdir(path):
-            raise
-
-
 def write_private(path: str, data: bytes) -> None:
     """Create or replace the contents of `path`: 0600, never through a symlink."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -301,9 +294,12 @@ class JobLock:
 
 
 def snapshot_trees(base: str | None = None) -> list[str]:
-    """Every snapshot tree of this user under `base` (None: the one in use): the shared one,
-    its fallbacks and older versions' per-process directories; real directories of ours."""
-    base = _base() if base is None else base
+    """Every snapshot tree of this user under `base` (None: the one in use, if any is safe):
+    the shared one, its fallbacks and older versions' per-process directories; real
+    directories of ours."""
+    base = safe_base() if base is None else base
+    if base is None:  # no safe one: never sweep where another user may swap entries
+        return []
     name = tree_name()
     try:
         names = sorted(os.listdir(base))
