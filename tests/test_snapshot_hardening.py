@@ -237,3 +237,39 @@ def test_a_replica_that_does_not_fit_the_tmpfs_is_refused_before_its_bytes(tmpfs
         assert leftovers == [] and keeper.inventory() == []
     finally:
         keeper.drop_job()
+
+
+@pytest.mark.slow
+def test_agents_that_cannot_make_the_jobs_directory_start_the_ranks_with_snapshots_off(
+        tmp_path, monkeypatch):
+    """The agents' tmpfs has no inode left when the ranks start (the job's directory cannot
+    be made): the ranks start all the same, agree at their first snapshot that snapshots are
+    off, the controller says so once naming the directory, and the losses are the clean run's."""
+    import ray
+
+    from tenax.testing.clusters import start_local_ray
+    from tenax.testing.jobs import assert_same_losses, make_spec, reference_losses, run_job
+
+    with small_tmpfs(tmp_path / "tmpfs", "4m", ",nr_inodes=16") as tmpfs:
+        filled = 0
+        with pytest.raises(OSError):  # every inode taken: not even the tree's root fits
+            while True:
+                (tmpfs / f"fill{filled}").mkdir()
+                filled += 1
+        monkeypatch.setenv("TENAX_SNAPSHOT_DIR", str(tmpfs))
+        start_local_ray(gpus=2)  # its agents inherit the full tmpfs
+        monkeypatch.delenv("TENAX_SNAPSHOT_DIR")  # the controller plans with /dev/shm
+        try:
+            spec = make_spec(tmp_path, ["train.steps=6", "resources.nodes=1",
+                                        "resources.gpus_per_node=2"])
+            job = run_job(spec)
+        finally:
+            ray.shutdown()
+        assert sorted(p.name for p in tmpfs.iterdir()) == sorted(f"fill{i}"
+                                                                  for i in range(filled))
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    off = job.of("snapshots_off")
+    assert len(off) == 1 and "cannot make the snapshot directory" in off[0]["reason"], off
+    assert str(tmpfs) in off[0]["reason"] and "0 inodes" in off[0]["reason"], off
+    assert off[0]["step"] == 1
+    assert_same_losses(job.losses(), reference_losses(spec))

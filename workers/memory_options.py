@@ -28,6 +28,7 @@ class MemoryOptions:
     replicated: bool = False  # the agent sends each snapshot to a peer node: pace to it
     plan: str | None = None  # this rank's save plan from its previous process (plan_codec)
     on_plan: Callable[[str], None] | None = None  # told each new save plan (the agent keeps it)
+    unusable: str = ""  # why no snapshot can go to snapshot_dir ("": it can); every rank stops
 
     def snapshot_due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
@@ -71,7 +72,7 @@ def snapshotter(spec: Any, mgr: Any, rank: int, world: int,
 
     return MemorySnapshotter(mgr.config, mgr.state, rank, world, memory.snapshot_dir,
                              memory.generation, all_ranks_agree, memory.on_snapshot,
-                             memory.replicated, plans=mgr.plans)
+                             memory.replicated, plans=mgr.plans, off=memory.unusable or None)
 
 
 def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:

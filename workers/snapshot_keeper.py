@@ -31,7 +31,8 @@ from typing import Any
 
 from tenax.checkpoint import SnapshotError, assemble_version
 from tenax.checkpoint.memory import (BufferMaps, JobLock, SnapshotDir, SnapshotStamp,
-                                     file_name_of, job_dir, makedirs_private, sweep_stale)
+                                     few_inodes, file_name_of, job_dir, makedirs_private,
+                                     snapshot_base, sweep_stale)
 from tenax.workers.replica_auth import Expectation, check_stamp, replica_cap
 from tenax.workers.replica_stream import Endpoint, Fill, ReplicaReceiver, send_snapshot
 
@@ -66,6 +67,9 @@ class SnapshotKeeper:
     def __init__(self) -> None:
         self.slot = uuid.uuid4().hex[:12]
         self.job_id, self.rank, self.peer, self.generation = "", -1, None, -1
+        self.root = ""  # the job's directory on this node ("": none, or none could be made)
+        self.unprepared = ""  # why this job's directories could not be made here ("": made)
+        self.unprepared_at = ""  # the directory that could not be made
         self._lock = threading.Lock()
         self._wanted: tuple[int, int, int] | None = None
         self._busy = False
@@ -107,10 +111,36 @@ class SnapshotKeeper:
             receiver.expect(self._expectation())
         if stale is not None:
             _abort(stale)
-        if job_id:
-            self._job_lock.hold(self.job_root)  # the job is live on this node while held
+        self.unprepared = self._prepare(job_id) if job_id else ""
+
+    def _prepare(self, job_id: str) -> str:
+        """Make the job's directories and hold its lock; "" when done, else why not. A tmpfs
+        without room (or inodes) must not stop the rank from starting: it starts with
+        snapshots off, which its first snapshot tells every rank (checkpoint/memory/snapshot.py)
+        and the job goes on from storage checkpoints."""
+        try:
+            root = job_dir(job_id)
+            self._job_lock.hold(root)  # the job is live on this node while held
+            self.root = root
             for where in (self.local_dir, self.replica_dir):  # the slot directory too: 0700
                 makedirs_private(where)
+        except OSError as exc:
+            self.root = ""
+            where = self.unprepared_at = str(exc.filename or snapshot_base())
+            reason = (f"cannot make the snapshot directory {where} for rank {self.rank} on "
+                      f"this node: {exc.strerror or exc}{few_inodes(where)}")
+            logger.warning("job %s: %s; this rank starts with in-memory snapshots off",
+                           job_id, reason)
+            return reason
+        return ""
+
+    def snapshot_target(self) -> tuple[str | None, str]:
+        """(where this rank's snapshots go, why none can be taken there: "" when they can).
+        A rank whose directory could not be made still gets a path, of the tmpfs it could
+        not use: it must take part in every snapshot's agreement, so that all ranks stop."""
+        if not self.unprepared:
+            return self.local_dir, ""
+        return self.unprepared_at, self.unprepared
 
     def _expectation(self) -> Expectation | None:
         """What this agent's receiver takes now (None: nothing, no job or no secret)."""
@@ -136,19 +166,23 @@ class SnapshotKeeper:
 
     @property
     def job_root(self) -> str:
-        return job_dir(self.job_id)
+        return self.root
 
     @property
     def local_dir(self) -> str | None:
-        return os.path.join(self.job_root, self.slot, "local") if self.job_id else None
+        return os.path.join(self.root, self.slot, "local") if self.root else None
 
     @property
     def replica_dir(self) -> str:
-        return os.path.join(self.job_root, self.slot, "replica")
+        if not self.root:
+            raise SnapshotError(f"no snapshot directory here (job {self.job_id!r}): "
+                                f"{self.unprepared or 'no job'}")
+        return os.path.join(self.root, self.slot, "replica")
 
     def _dir(self, kind: str) -> SnapshotDir:
-        if kind not in KINDS or not self.job_id:
-            raise SnapshotError(f"no {kind!r} snapshots here (job {self.job_id!r})")
+        if kind not in KINDS or not self.job_id or not self.root:
+            raise SnapshotError(f"no {kind!r} snapshots here (job {self.job_id!r})"
+                                + (f": {self.unprepared}" if self.unprepared else ""))
         if kind == "local":
             return SnapshotDir(self.local_dir, keep=2)  # written by the rank: double buffer
         # Double buffered too: the ranks of one node send their step N independently, so a node
@@ -265,7 +299,7 @@ class SnapshotKeeper:
     # ---- what the controller asks ----------------------------------------------------------
     def inventory(self) -> list[dict[str, Any]]:
         """Every complete snapshot held here (stamps only; reads verify checksums)."""
-        if not self.job_id:
+        if not self.job_id or not self.root:
             return []
         out = []
         for kind in KINDS:
@@ -329,8 +363,8 @@ class SnapshotKeeper:
         """The job ended: remove everything it kept on this node (every slot's directory) and
         refuse replicas from now on (a peer's late send must not recreate it)."""
         with self._lock:
-            job, root = self.job_id, self.job_root
-            self.job_id, self.peer, self._wanted = "", None, None
+            job, root = self.job_id, self.root
+            self.job_id, self.peer, self._wanted, self.root = "", None, None, ""
             self._epoch += 1
             receiver, self._receiver = self._receiver, None
         if receiver is not None:
@@ -338,7 +372,7 @@ class SnapshotKeeper:
             counts = receiver.failure_counts()
             with self._lock:
                 self._closed_failures.update(counts)
-        if job:
+        if job and root:
             shutil.rmtree(root, ignore_errors=True)
         self._job_lock.release()
         self._maps.close()  # a replica landing right now keeps its view until it is done

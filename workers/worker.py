@@ -215,7 +215,8 @@ class RankWorker:
             self._warmed = self._ledger  # handles compare by actor: once per ledger, not per start
             threading.Thread(target=_warm_up_ledger, args=(self._ledger,), daemon=True).start()
         self.snapshots.configure(run.job_id, run.rank, run.peer, run.generation, run.replicas)
-        memory = MemoryOptions(self.snapshots.local_dir, every_steps=run.snapshot_every,
+        where, unusable = self.snapshots.snapshot_target()
+        memory = MemoryOptions(where, every_steps=run.snapshot_every, unusable=unusable,
                                generation=run.generation, restore_uri=run.restore_uri,
                                replicated=run.peer is not None, plan=self._plan)
         parent, child = mp.Pipe()

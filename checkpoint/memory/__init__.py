@@ -6,7 +6,8 @@
   killed half-way invisible; torch-free, for agents.
 - The tmpfs tree (`tmpfs_tree`): `snapshot_root` (checked: ours alone), `SNAPSHOT_ENV`,
   `job_dir`, `file_name_of`, `makedirs_private`, `JobLock`, `snapshot_trees` and
-  `sweep_stale` (jobs that are gone), `free_space`, `used_bytes`.
+  `sweep_stale` (jobs that are gone), `free_space`, `used_bytes`; its base (`snapshot_base`:
+  never one where another user could swap the tree) and `few_inodes`.
 - `BufferMaps`: the kept memory mappings of the double buffer.
 - `assemble_version`: every rank's pieces of one step committed as an ordinary version, which
   the manager then loads (and reshards) like storage.
@@ -24,6 +25,7 @@ _MODULES = {
     "tmpfs_tree": ("SNAPSHOT_ENV", "JobLock", "file_name_of", "free_space", "job_dir",
                    "makedirs_private", "snapshot_root", "snapshot_trees", "sweep_stale",
                    "used_bytes"),
+    "snapshot_base": ("few_inodes", "snapshot_base"),
     "buffer_maps": ("BufferMaps",),
     "restore": ("assemble_version",),
 }

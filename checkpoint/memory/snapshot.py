@@ -43,6 +43,7 @@ from tenax.checkpoint.format.manifest import METADATA_NAME
 from tenax.checkpoint.memory.buffer_maps import BufferMaps
 from tenax.checkpoint.memory.snapshot_store import (SnapshotDir, SnapshotStamp, crc32c_of,
                                                     overwrite)
+from tenax.checkpoint.memory.snapshot_base import few_inodes
 from tenax.checkpoint.memory.tmpfs_tree import free_space, write_private
 from tenax.checkpoint.save.background import SNAPSHOT_THREAD, as_background
 from tenax.checkpoint.save.planning import SavePlans
@@ -65,9 +66,12 @@ class MemorySnapshotter:
     def __init__(self, config: CheckpointConfig, state: Any, rank: int, world: int, root: str,
                  generation: int, agree: Callable[[bool], bool],
                  on_done: Callable[[dict[str, Any]], None] | None = None,
-                 replicated: bool = False, plans: SavePlans | None = None) -> None:
+                 replicated: bool = False, plans: SavePlans | None = None,
+                 off: str | None = None) -> None:
         """`plans`: the storage checkpoints' plan of the same state (the manager's `plans`),
-        so that whichever of the two saves first after a (re)start plans for both."""
+        so that whichever of the two saves first after a (re)start plans for both. `off`:
+        why this rank can take no snapshot from the start (its agent could not make its
+        directory); it still takes part in each snapshot's agreement, which stops every rank."""
         self.config, self.state, self.rank, self.world = config, state, rank, world
         self.store, self.generation = SnapshotDir(root), generation
         self.agree, self.on_done, self.replicated = agree, on_done, replicated
@@ -80,7 +84,7 @@ class MemorySnapshotter:
         self._fence: Any = None
         self.failed = 0
         self._newest: int | None = None  # the last step this process published
-        self.off: str | None = None  # why this rank can take no more snapshots (no space)
+        self.off: str | None = off  # why this rank can take no more snapshots (no space)
         self.stopped = False  # every rank agreed that snapshots are off: none is taken
         # The double buffer's mappings, kept between snapshots (checkpoint/memory/buffer_maps.py)
         self._maps = BufferMaps(limit=self.store.keep + 1)
@@ -156,7 +160,7 @@ class MemorySnapshotter:
         self._maps.forget_deleted()
         where, free = free_space(self.store.root)
         self.off = (f"no space for rank {self.rank}'s snapshot buffer in {where} "
-                    f"({human_bytes(max(free, 0))}{_few_inodes(where)} free): {exc}")
+                    f"({human_bytes(max(free, 0))}{few_inodes(where)} free): {exc}")
 
     def _serve(self) -> None:
         """The copying thread: low priority, one snapshot at a time, until close()."""
@@ -234,16 +238,6 @@ class MemorySnapshotter:
             self._worker.join(FENCE_TIMEOUT_S)
             self._worker = None
         self._maps.close()
-
-
-def _few_inodes(path: str) -> str:
-    """", N inodes" when `path`'s filesystem counts inodes and has few left (a tmpfs mounted
-    with nr_inodes fails a mkdir with ENOSPC while bytes are free); "" otherwise."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return ""
-    return f", {st.f_favail} inodes" if st.f_files and st.f_favail < 1024 else ""
 
 
 def _write_pieces(maps: BufferMaps, path: str, tensors: list[tuple[int, torch.Tensor]]
