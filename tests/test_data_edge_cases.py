@@ -112,10 +112,11 @@ def test_inputs_without_documents_are_refused(tmp_path, capsys):
         prepare_dataset([str(tmp_path / "blank.jsonl")], str(tmp_path / "out" / "ds"),
                         workers=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl"]
-    (tmp_path / "empty.txt").write_text("")  # a .txt is one document, empty or not
-    stats = prepare_dataset([str(tmp_path / "empty.txt")], str(tmp_path / "one"), workers=1,
-                            progress=False)
-    assert stats["documents"] == 1 and stats["tokens"] == 1
+    (tmp_path / "empty.txt").write_text("")  # a .txt is one document: an empty one is skipped
+    with pytest.raises(ValueError, match=r"hold no documents with tokens: 1 empty document"):
+        prepare_dataset([str(tmp_path / "empty.txt")], str(tmp_path / "one"), workers=1,
+                        progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl", "empty.txt"]
 
 
 def prepared(tmp_path: Path, name: str, texts: list[str], tokenizer: str | None = None) -> str:

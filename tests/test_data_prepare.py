@@ -23,7 +23,7 @@ from tests.test_tokenizer import (corpus_text, make_hf_tokenizer, make_sentencep
 def documents(n: int = 60) -> list[str]:
     lines = corpus_text(lines=3 * n, seed=1).splitlines()
     docs = ["\n".join(lines[i: i + 3]) for i in range(0, 3 * n, 3)]
-    docs[3] = ""  # an empty document is still a document: just its EOS
+    docs[3] = ""  # an empty document: counted, not written
     docs[5] = "ünïcödé — 東京 🚀"
     return docs
 
@@ -65,15 +65,16 @@ def test_prepared_ids_are_the_tokenizers_own_encoding_plus_eos(tmp_path, tokeniz
         want_docs = docs[:4] if fmt == "txt" else docs
         stats = prepare_dataset(files, str(tmp_path / f"out_{fmt}"), tokenizer=tokenizers[kind],
                                 workers=1, progress=False)
-        want = [tok.encode(d) + [tok.eos_id] for d in want_docs]
+        want = [tok.encode(d) + [tok.eos_id] for d in want_docs if d]
         assert read_sequences(tmp_path / f"out_{fmt}") == want, (kind, fmt)
-        assert stats["documents"] == len(want_docs)
+        assert stats["documents"] == len(want) == len(want_docs) - 1
+        assert stats["empty_documents"] == 1
         assert stats["tokens"] == sum(map(len, want))
         assert stats["dtype"] == "uint16" and stats["prefix"] == str(tmp_path / f"out_{fmt}")
         on_disk = sum((tmp_path / f"out_{fmt}{s}").stat().st_size for s in (".bin", ".idx"))
         assert stats["bytes"] == on_disk
         assert read_idx(tmp_path / f"out_{fmt}.idx")["docs"].tolist() == \
-            list(range(len(want_docs) + 1))
+            list(range(len(want) + 1))
 
 
 def test_two_workers_write_byte_identical_output(tmp_path, tokenizers, monkeypatch):
@@ -89,7 +90,8 @@ def test_two_workers_write_byte_identical_output(tmp_path, tokenizers, monkeypat
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
     tok = load_tokenizer(tokenizers["hf"])
-    assert read_sequences(tmp_path / "w2") == [tok.encode(d) + [tok.eos_id] for d in docs * 2]
+    assert read_sequences(tmp_path / "w2") == \
+        [tok.encode(d) + [tok.eos_id] for d in docs * 2 if d]
 
 
 BAD_LINES = [
@@ -189,6 +191,92 @@ def test_token_id_beyond_the_dtype_names_the_document(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+class SilentHugeIdTokenizer(HugeIdTokenizer):
+    """Maps "" and "nothing" to no tokens, "boom" to an id beyond uint16."""
+
+    def encode(self, text: str) -> list[int]:
+        return [] if text in ("", "nothing") else super().encode(text)
+
+
+def test_a_bad_token_is_named_by_its_input_line_after_skipped_documents(tmp_path):
+    lines = ["a", "", "nothing", "b", "boom"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    with pytest.raises(ValueError, match=r"in\.jsonl: line 5: token id 70000 does not fit"):
+        prepare_dataset([str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
+                        tokenizer=SilentHugeIdTokenizer(), workers=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+EMPTY_CORPUS = ["", "first document", "", "", "second — ünï 東京", "", "", "", "third", ""]
+
+
+@pytest.mark.parametrize("kind, workers", [("bytes", 1), ("bytes", 2), ("hf", 1)])
+def test_empty_documents_are_skipped_and_counted(tmp_path, tokenizers, monkeypatch, caplog,
+                                                 kind, workers):
+    """Empty texts between real ones write nothing, in any batch layout (a batch of only
+    empty documents included); the count and the first one's line are reported."""
+    import tenax.workers.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "BATCH_DOCUMENTS", 3)
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n" + "".join(json.dumps({"text": t}) + "\n" for t in EMPTY_CORPUS))
+    with caplog.at_level("INFO", logger="tenax.workers.data.prepare"):
+        stats = prepare_dataset([str(path)], str(tmp_path / "ds"), tokenizer=tokenizers[kind],
+                                workers=workers, progress=False)
+    real = ["first document", "second — ünï 東京", "third"]
+    if kind == "bytes":  # the bytes themselves, not the tokenizer's word for them
+        want = [list(t.encode("utf-8")) + [256] for t in real]
+    else:
+        tok = load_tokenizer(tokenizers[kind])
+        want = [tok.encode(t) + [tok.eos_id] for t in real]
+        assert all(len(w) > 1 for w in want)
+    assert read_sequences(tmp_path / "ds") == want
+    assert read_idx(tmp_path / "ds.idx")["docs"].tolist() == [0, 1, 2, 3]
+    assert (stats["documents"], stats["empty_documents"]) == (3, 7)
+    assert stats["tokens"] == sum(map(len, want))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["data prepare: skipped 7 empty documents (no tokens; the first at "
+                        f"{path}: line 2)"]
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == 1 and infos[0].endswith("; skipped 7 empty documents")
+
+
+def test_text_the_tokenizer_maps_to_nothing_is_an_empty_document(tmp_path, tokenizers):
+    """SentencePiece normalizes whitespace away: such a document has no tokens either."""
+    tok = load_tokenizer(tokenizers["sentencepiece"])
+    texts = ["hello world", "   ", "\n\n", "the end"]
+    assert [len(tok.encode(t)) > 0 for t in texts] == [True, False, False, True]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stats = prepare_dataset([str(path)], str(tmp_path / "ds"), workers=1, progress=False,
+                            tokenizer=tokenizers["sentencepiece"])
+    assert read_sequences(tmp_path / "ds") == \
+        [tok.encode("hello world") + [tok.eos_id], tok.encode("the end") + [tok.eos_id]]
+    assert (stats["documents"], stats["empty_documents"]) == (2, 2)
+
+
+def test_only_empty_documents_is_an_empty_dataset(tmp_path, tokenizers, capsys):
+    path = tmp_path / "all.jsonl"
+    path.write_text('\n{"text": ""}\n{"text": ""}\n\n{"text": ""}\n')
+    (tmp_path / "one.txt").write_text("")
+    before = sorted(tmp_path.iterdir())
+    for inputs, count, first in (([path], 3, r"all\.jsonl: line 2"), ([tmp_path / "one.txt"], 1,
+                                                                      r"one\.txt")):
+        with pytest.raises(ValueError, match=r"data prepare: the inputs \(.*\) hold no documents "
+                                             rf"with tokens: {count} empty documents? skipped "
+                                             rf"\(the first at .*{first}\); nothing was written"):
+            prepare_dataset([str(p) for p in inputs], str(tmp_path / "out" / "ds"), workers=1,
+                            progress=False)
+    ws = tmp_path / "ws.jsonl"
+    ws.write_text('{"text": "  "}\n{"text": ""}\n')
+    before.append(ws)
+    assert main(["data", "prepare", str(ws), "--out", str(tmp_path / "ds"), "--tokenizer",
+                 tokenizers["sentencepiece"], "--workers", "1"]) == 2
+    assert f"hold no documents with tokens: 2 empty documents skipped (the first at {ws}: " \
+           f"line 1); nothing was written" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == sorted(before)
+
+
 def test_fsspec_inputs_globs_and_output(tmp_path, tokenizers):
     for i in range(3):
         with fsspec.open(f"memory://prep-test/in/p{i}.jsonl", "w") as f:
@@ -218,11 +306,23 @@ def test_cli_prepare_then_inspect(tmp_path, tokenizers, capsys):
     tok = load_tokenizer(tokenizers["hf"])
     ids = tok.encode("hello tenax") + [tok.eos_id] + tok.encode("second") + [tok.eos_id]
     assert doc["documents"] == 2 and doc["tokens"] == len(ids) and doc["dtype"] == "uint16"
+    assert doc["empty_documents"] == 0
     assert main(["data", "prepare", str(tmp_path / "in.jsonl"), "--out", str(out),
                  "--tokenizer", tokenizers["hf"], "--workers", "1"]) == 0
     # people get a progress line and a summary on stderr
-    assert f"prepared 2 documents, {len(ids)} tokens (uint16) into {out}.bin/.idx" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"prepared 2 documents, {len(ids)} tokens (uint16) into {out}.bin/.idx" in err
+    assert "skipped" not in err
+    (tmp_path / "gaps.jsonl").write_text('{"text": ""}\n{"text": "hello tenax"}\n{"text": ""}\n'
+                                         '{"text": "second"}\n')
+    assert main(["data", "prepare", str(tmp_path / "gaps.jsonl"), "--out", str(out),
+                 "--tokenizer", tokenizers["hf"], "--workers", "1"]) == 0
+    assert f"prepared 2 documents, {len(ids)} tokens (uint16) into {out}.bin/.idx" in \
+        (err := capsys.readouterr().err) and err.rstrip().endswith("; skipped 2 empty documents")
+    assert main(["data", "prepare", str(tmp_path / "gaps.jsonl"), "--out", str(out),
+                 "--tokenizer", tokenizers["hf"], "--workers", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["documents"], doc["tokens"], doc["empty_documents"]) == (2, len(ids), 2)
     assert main(["data", "prepare", str(tmp_path / "in.jsonl"), "--out", str(out),
                  "--workers", "0"]) == 2
     assert "--workers: must be a positive integer, got 0" in capsys.readouterr().err

@@ -1,9 +1,10 @@
 """`prepare_dataset`: text corpora -> a Megatron indexed dataset, tokenized in parallel.
 
 Pipeline: the corpus reader (corpus.py) yields batches of documents in input order; a pool of
-worker processes tokenizes them (`encode_batch`, then EOS after each document); the writer
-appends the results in the same order. At most `2 x workers` batches are in flight, so memory
-stays bounded whatever the corpus size (Pool.imap would read the whole input ahead).
+worker processes tokenizes them (`encode_batch`, then EOS after each document; a document with
+no tokens is left out and counted); the writer appends the results in the same order. At most
+`2 x workers` batches are in flight, so memory stays bounded whatever the corpus size
+(Pool.imap would read the whole input ahead).
 
 Why ProcessPoolExecutor rather than multiprocessing.Pool: a Pool silently replaces a worker
 that dies (the OOM killer, a segfault in a native tokenizer) and the result it owed never
@@ -49,37 +50,51 @@ WORKER: dict[str, Any] = {}  # the tokenizer and dtype of this worker process
 
 @dataclass
 class Encoded:
-    """A batch's tokens back to back (EOS included) and each document's length; or, when a
-    token does not fit the dtype, `bad` = (document index in the batch, token id)."""
+    """A batch's written documents' tokens back to back (EOS included) and their lengths;
+    `empty`: the indices in the batch of the documents with no tokens, which are not written;
+    or, when a token does not fit the dtype, `bad` = (document index in the batch, token id)."""
 
     tokens: np.ndarray | None
     lengths: np.ndarray
+    empty: np.ndarray
     bad: tuple[int, int] | None = None
 
 
+def encode_bytes(texts: list[str], eos: int, dtype: np.dtype) -> Encoded:
+    """The ByteTokenizer's encoding, packed with numpy: no Python list per byte."""
+    raw = [t.encode("utf-8") for t in texts]
+    sizes = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    lengths = sizes[sizes > 0] + 1
+    ends = np.cumsum(lengths)
+    flat = np.full(int(ends[-1]) if ends.size else 0, eos, dtype=dtype)
+    body = np.ones(flat.size, dtype=bool)
+    body[ends - 1] = False  # every position but the EOS after each document
+    flat[body] = np.frombuffer(b"".join(raw), dtype=np.uint8)
+    return Encoded(flat, lengths, np.flatnonzero(sizes == 0))
+
+
 def encode_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Encoded:
-    """Tokenize `texts`, append EOS to each, pack them into one array of `dtype`."""
+    """Tokenize `texts`, append EOS to each, pack them into one array of `dtype`. A document
+    with no tokens is left out (as Megatron's preprocessing does): its EOS alone would be a
+    one-token document; `Encoded.empty` says which ones were."""
     eos = int(tokenizer.eos_id)
-    if isinstance(tokenizer, ByteTokenizer):  # no Python list per byte
-        arrays = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        lengths = np.array([a.size + 1 for a in arrays], dtype=np.int64)
-        flat = np.empty(int(lengths.sum()), dtype=dtype)
-        ends = np.cumsum(lengths)
-        for a, end in zip(arrays, ends.tolist()):
-            flat[end - 1 - a.size: end - 1] = a
-        flat[ends - 1] = eos
-        return Encoded(flat, lengths)
+    if isinstance(tokenizer, ByteTokenizer):
+        return encode_bytes(texts, eos, dtype)
     encoded = tokenizer.encode_batch(texts)
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.fromiter(chain.from_iterable(chain(ids, (eos,)) for ids in encoded),
+    sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    kept = np.flatnonzero(sizes)
+    empty = np.flatnonzero(sizes == 0)
+    lengths = sizes[kept] + 1
+    flat = np.fromiter(chain.from_iterable(chain(ids, (eos,)) for ids in encoded if len(ids)),
                        dtype=np.int64, count=int(lengths.sum()))
     top = int(np.iinfo(dtype).max)
     outside = (flat < 0) | (flat > top)
     if outside.any():
         pos = int(np.argmax(outside))
         doc = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
-        return Encoded(None, lengths, (doc, int(flat[pos])))
-    return Encoded(flat.astype(dtype), lengths)
+        # the index among the written documents, mapped back to the batch's own
+        return Encoded(None, lengths, empty, (int(kept[doc]), int(flat[pos])))
+    return Encoded(flat.astype(dtype), lengths, empty)
 
 
 def exit_with_parent(sentinel: int) -> None:
@@ -173,6 +188,40 @@ class Meter:
             self.progress.stop()
 
 
+@dataclass
+class Skipped:
+    """The documents left out for having no tokens: how many, and where the first one was."""
+
+    count: int = 0
+    first: str | None = None
+
+    def add(self, batch: DocumentBatch, empty: np.ndarray) -> None:
+        if empty.size and self.first is None:
+            self.first = batch.where[int(empty[0])]
+        self.count += int(empty.size)
+
+    def counted(self) -> str:
+        return f"{self.count:,} empty document{'s' if self.count != 1 else ''}"
+
+    def __str__(self) -> str:
+        return f"skipped {self.counted()} (no tokens; the first at {self.first})"
+
+
+def write_batches(results: Iterator[tuple[DocumentBatch, Encoded]],
+                  writer: IndexedDatasetWriter, dtype: np.dtype, meter: Meter) -> Skipped:
+    """Append each batch's documents to `writer`, in order; returns what was skipped."""
+    skipped = Skipped()
+    for batch, encoded in results:
+        if encoded.bad is not None:
+            doc, token = encoded.bad
+            raise ValueError(f"{batch.where[doc]}: token id {token} does not fit the "
+                             f"dataset dtype {dtype.name} (max {np.iinfo(dtype).max})")
+        skipped.add(batch, encoded.empty)
+        writer.add_packed(encoded.tokens, encoded.lengths)
+        meter.add(len(encoded.lengths), int(encoded.lengths.sum()), batch.nbytes)
+    return skipped
+
+
 def short_list(files: list[Any], shown: int = 3) -> str:
     names = [f.uri for f in files[:shown]]
     return ", ".join(names) + (f" and {len(files) - shown} more" if len(files) > shown else "")
@@ -204,6 +253,30 @@ def resolve_tokenizer(tokenizer: str | Tokenizer | None, eos_id: int | None) -> 
     return tokenizer
 
 
+def no_documents(files: list[Any], skipped: Skipped) -> str:
+    """The error for inputs that give no document to write."""
+    if not skipped.count:
+        return (f"data prepare: the inputs ({short_list(files)}) hold no documents (blank "
+                f"jsonl lines are skipped); nothing was written")
+    return (f"data prepare: the inputs ({short_list(files)}) hold no documents with tokens: "
+            f"{skipped.counted()} skipped (the first at {skipped.first}); nothing was written")
+
+
+def report(stats: dict[str, Any], skipped: Skipped, mb_per_s: float, progress: bool) -> None:
+    """Log the summary line (also on stderr with `progress`), and a warning naming where the
+    first empty document was, when some were skipped."""
+    if skipped.count:  # once per run, naming a place to look at
+        logger.warning("data prepare: %s", skipped)
+    summary = (f"prepared {stats['documents']:,} documents, {stats['tokens']:,} tokens "
+               f"({stats['dtype']}) into {stats['prefix']}.bin/.idx in {stats['seconds']:.1f} s "
+               f"({mb_per_s:.1f} MB/s of input)")
+    if skipped.count:
+        summary += f"; skipped {skipped.counted()}"
+    logger.info(summary)
+    if progress:
+        print(summary, file=sys.stderr)
+
+
 def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | None = None,
                     text_field: str = "text", workers: int | None = None,
                     progress: bool = True, eos_id: int | None = None) -> dict[str, Any]:
@@ -214,7 +287,8 @@ def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | No
     `eos_id` (`--eos-id`): the id appended after each document instead of the tokenizer's own
     EOS, for a tokenizer file that names none (not with a tokenizer object).
     Tokens are uint16 when the vocabulary fits, else int32. On any error nothing is left at
-    `out`. Returns {"prefix", "documents", "tokens", "dtype", "bytes" (.bin + .idx),
+    `out`. A document with no tokens (empty text) is not written, only counted. Returns
+    {"prefix", "documents", "tokens", "dtype", "bytes" (.bin + .idx), "empty_documents",
     "seconds"}.
     """
     start = time.perf_counter()
@@ -228,27 +302,16 @@ def prepare_dataset(inputs: list[str], out: str, tokenizer: str | Tokenizer | No
     try:
         results = encode_in_order(document_batches(files, text_field), tok, dtype, count)
         with contextlib.closing(results):  # on an error, stops the pool at once
-            for batch, encoded in results:
-                if encoded.bad is not None:
-                    doc, token = encoded.bad
-                    raise ValueError(f"{batch.where[doc]}: token id {token} does not fit the "
-                                     f"dataset dtype {dtype.name} (max {np.iinfo(dtype).max})")
-                writer.add_packed(encoded.tokens, encoded.lengths)
-                meter.add(len(batch.texts), int(encoded.lengths.sum()), batch.nbytes)
+            skipped = write_batches(results, writer, dtype, meter)
         if writer.num_docs == 0:  # an empty dataset is always a mistake (wrong file, glob)
-            raise ValueError(f"data prepare: the inputs ({short_list(files)}) hold no "
-                             f"documents (blank jsonl lines are skipped); nothing was written")
+            raise ValueError(no_documents(files, skipped))
         stats = writer.finalize()
     except BaseException:
         writer.abort()
         raise
     finally:
         meter.close()
+    stats["empty_documents"] = skipped.count
     stats["seconds"] = time.perf_counter() - start
-    summary = (f"prepared {stats['documents']:,} documents, {stats['tokens']:,} tokens "
-               f"({stats['dtype']}) into {stats['prefix']}.bin/.idx in {stats['seconds']:.1f} s "
-               f"({meter.mb_per_s():.1f} MB/s of input)")
-    logger.info(summary)
-    if progress:
-        print(summary, file=sys.stderr)
+    report(stats, skipped, meter.mb_per_s(), progress)
     return stats
