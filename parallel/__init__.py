@@ -9,8 +9,9 @@
   cost model (`MemoryLedger`, `Network`, `Link`, `Comm`, `StateBytes`, `MIXED_ADAMW`,
   `FP32_ADAMW`, per-dimension `*_comm`, activation and state memory, `train_flops_per_token`);
   pipeline bubbles (`bubble_time`, `bubble_fraction`, `bubble_table`); GPU models (`GpuModel`,
-  `GPUS`, `gpu_model`, `gpu_from_device_name`, `planner_options`, `slot_memory_gib`); host
-  memory for snapshots (`snapshot_footprint`, `node_snapshot_footprint`, ...).
+  `GPUS`, `gpu_model`, `gpu_from_device_name`, `gpus_from_ray_resources`, `planner_options`,
+  `slot_memory_gib`); host memory for snapshots (`snapshot_footprint`,
+  `node_snapshot_footprint`, ...).
 - Errors: `PlanError`, `LayoutError` (parallel/errors.py).
 - The model and its parallelisms (torch): `Transformer`, `build_model`, `init_weights`,
   `cross_entropy_sum`, `canonical_param_name`; `parallelize` (applies every parallelism in
@@ -41,8 +42,9 @@ _MODULES = {
                    "stage_activation_bytes", "tp_comm", "train_flops_per_token",
                    "zero_stage_ledgers"),
     "bubble": ("bubble_fraction", "bubble_table", "bubble_time"),
-    "hardware": ("GPUS", "GpuModel", "gpu_from_device_name", "gpu_model", "host_memory_bytes",
-                 "planner_options", "slot_memory_gib"),
+    "hardware": ("GPUS", "DetectedGpus", "GpuModel", "gpu_from_device_name", "gpu_model",
+                 "gpus_from_ray_resources", "host_memory_bytes", "planner_options",
+                 "slot_memory_gib"),
     "host_memory": ("CURSOR_RNG_BYTES", "SnapshotFootprint", "human_bytes",
                     "ledger_snapshot_bytes", "node_snapshot_footprint", "rank_snapshot_bytes",
                     "snapshot_footprint"),

@@ -105,3 +105,44 @@ def slot_memory_gib(device: str, ranks_per_node: int, gpu_mem_gib: float = 80.0)
     if device == "cpu":
         return host_memory_bytes() / max(1, ranks_per_node) / 2 ** 30
     return gpu_mem_gib
+
+
+# What Ray names a node's GPUs (its `accelerator_type:<label>` resource, set from the device
+# name) -> their memory in vendor GB. Ray labels every A100 "A100" whatever its memory, so an
+# unqualified A100 plans with the smaller part's 40 GB: a plan too small for an 80 GB card runs
+# slower, one too large for a 40 GB card runs out of memory at the first step.
+RAY_GPU_GB: dict[str, float] = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80,
+                                "H200": 141, "H20": 96, "B200": 180, "L4": 24, "L40S": 48,
+                                "A10G": 24, "T4": 16, "V100": 16}
+RAY_ACCELERATOR_PREFIX = "accelerator_type:"
+
+
+@dataclass(frozen=True)
+class DetectedGpus:
+    """The GPUs the planner plans with, read from the cluster (the smallest of its nodes)."""
+    label: str            # Ray's accelerator type, e.g. "H200"
+    gpu_mem_gib: float
+    model: GpuModel | None  # the table's entry when there is one (peak FLOP/s, links)
+
+    def options(self) -> dict[str, Any]:
+        """`planner.Cluster` keyword arguments beyond the memory (none for an unknown model)."""
+        return planner_options(self.model) if self.model is not None else {}
+
+
+def gpus_from_ray_resources(resources: list[dict[str, float]]) -> DetectedGpus | None:
+    """The smallest known GPU among nodes' Ray resources (dicts with `GPU` slots and
+    `accelerator_type:<label>`); None when no node with GPUs names a type this table knows,
+    or one names a type it does not (its memory is unknown: plan as for none)."""
+    found: list[DetectedGpus] = []
+    for res in resources:
+        if not res.get("GPU"):
+            continue
+        labels = [k[len(RAY_ACCELERATOR_PREFIX):] for k in res
+                  if k.startswith(RAY_ACCELERATOR_PREFIX)]
+        known = [label for label in labels if label in RAY_GPU_GB]
+        if not known:
+            return None
+        label = min(known, key=RAY_GPU_GB.__getitem__)
+        found.append(DetectedGpus(label, RAY_GPU_GB[label] * GB / 2 ** 30,
+                                  gpu_from_device_name(label)))
+    return min(found, key=lambda d: d.gpu_mem_gib) if found else None

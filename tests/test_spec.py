@@ -36,6 +36,8 @@ ADDED_KEYS = {("fault_tolerance", "straggler_action"): "alert"}
 ADDED_KEYS[("train", "profile_steps")] = None
 # Bad node screening after a preflight (docs/preflight.md): off by default.
 ADDED_KEYS[("resources", "exclude_slow_nodes")] = False
+# GPU memory the controller plans with (docs/architecture.md): None, what Ray names, else 80.
+ADDED_KEYS[("resources", "gpu_mem_gib")] = None
 # Keys of real-corpus training (docs/data.md): all off/empty by default.
 ADDED_KEYS.update({("data", key): value for key, value in {
     "sources": None, "tokenizer": None, "eos_id": None, "document_mask": False,

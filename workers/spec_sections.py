@@ -277,6 +277,9 @@ class ResourcesSpec(StrictSection):
     min_nodes: int = Field(1, ge=1)
     max_nodes: int = Field(4, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # GiB of memory per GPU the planner plans with (None: the smallest GPU Ray's accelerator
+    # type names on the cluster's nodes, else 80).
+    gpu_mem_gib: float | None = Field(None, gt=0)
     # Service scheduling: how long a job may wait in QUEUED (None = no limit), and whether it
     # may be stopped at a checkpoint boundary and requeued for a more urgent job.
     queue_timeout_s: float | None = Field(None, gt=0)

@@ -55,14 +55,16 @@ class ScalingPolicy:
         tried = []
         for world in range(nodes * r.gpus_per_node, 0, -1):
             try:
-                plan = plan_for_spec(spec, world, r.gpus_per_node, pin_zero=True)
+                plan = plan_for_spec(spec, world, r.gpus_per_node, pin_zero=True,
+                                     detected=capacity.gpus)
             except PlanError as err:
                 tried.append(f"{world} GPUs: {str(err).splitlines()[0]}")
                 continue
             used_nodes = -(-world // r.gpus_per_node)
             if used_nodes < r.min_nodes:
                 break
-            why = f"{plan.layout.describe()} on {world} GPUs of {nodes} node(s): {plan.best.reason}"
+            why = (f"{plan.layout.describe()} on {world} GPUs of {nodes} node(s)"
+                   f"{gpus_text(spec, capacity)}: {plan.best.reason}")
             if tried:
                 why += f" (could not use more GPUs: {tried[0]})"
             return ScaleDecision(JobAction.START, why, plan.layout, used_nodes, tuple(tried),
@@ -77,7 +79,17 @@ def allotted_capacity(capacity: Capacity, limit: Callable[[], int] | None) -> Ca
     nodes = limit() if limit is not None else None
     if nodes is None or nodes >= capacity.nodes:
         return capacity
-    return Capacity(nodes, f"(the scheduler allots {nodes} node(s) of {capacity.nodes})")
+    return Capacity(nodes, f"(the scheduler allots {nodes} node(s) of {capacity.nodes})",
+                    capacity.gpus)
+
+
+def gpus_text(spec: Any, capacity: Capacity) -> str:
+    """" (H200, 131.3 GiB each, as Ray names them)" when the plan took the GPUs' memory from
+    the cluster; "" when the spec names it, the ranks run on CPU or Ray names no known GPU."""
+    gpus = capacity.gpus
+    if gpus is None or spec.resources.gpu_mem_gib or spec.resources.device == "cpu":
+        return ""
+    return f" ({gpus.label}, {gpus.gpu_mem_gib:.1f} GiB each, as Ray names them)"
 
 
 def preempt_decision(state: str, placed: bool, reason: str,

@@ -4,7 +4,8 @@
   start, stop, shutdown. Its view of a rank (rank_handle.py): `RankHandle`, `RankHealth`
   (what the policies read), `progressed` (what restarts a rank's hang clock).
 - `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
-- Capacity: `Capacity`, `cluster_capacity`, `NodeProbes` (is a suspect node still there?);
+- Capacity: `Capacity`, `cluster_capacity`, `cluster_gpus` (the GPUs as Ray names them),
+  `NodeProbes` (is a suspect node still there?);
   `ray_nodes` (`NodesReader`, nodes_reader.py, also read by host_memory.py): ray.nodes() with
   a deadline (`RayNodesTimeout`).
 - Recovery source: `choose_recovery_source` (pure: memory, replica or storage) over
@@ -22,7 +23,7 @@ _MODULES = {
     "rank_handle": ("PhaseMarks", "RankHandle", "RankHealth", "progressed"),
     "worker_group": ("WorkerGroup",),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
-    "capacity": ("Capacity", "NodeProbes", "cluster_capacity", "ray_nodes"),
+    "capacity": ("Capacity", "NodeProbes", "cluster_capacity", "cluster_gpus", "ray_nodes"),
     "nodes_reader": ("NodesReader", "RayNodesTimeout"),
     "recovery_policy": ("RecoverySource", "SnapshotPiece", "choose_recovery_source"),
     "recovery": ("MemoryRecovery", "MemoryStart"),

@@ -18,15 +18,19 @@ from typing import Any
 import ray
 
 from tenax.orchestrator.placement.nodes_reader import NODES_TIMEOUT_S, NodesReader
+from tenax.parallel import DetectedGpus, gpus_from_ray_resources
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Capacity:
-    """Whole nodes (of `gpus_per_node` slots) the job may use now."""
+    """Whole nodes (of `gpus_per_node` slots) the job may use now, and their GPUs as Ray
+    names them (None: unnamed, or a model the planner's table does not know)."""
     nodes: int
     detail: str = ""
+    gpus: DetectedGpus | None = None
+
 
 RAYLET_CONNECT_S = 0.5
 RAY_NODES_TIMEOUT_S = NODES_TIMEOUT_S  # ray_nodes()'s deadline (nodes_reader.py)
@@ -49,14 +53,26 @@ def cluster_capacity(gpus_per_node: int, lost_slots: dict[str, int]) -> Capacity
     """Alive Ray nodes' GPU slots, minus those known lost, in whole job nodes. A late
     ray.nodes() answer falls back to its previous one (a GCS hiccup is not a lost cluster);
     RayNodesTimeout when there is none."""
-    nodes, parts = 0, []
+    nodes, parts, usable_resources = 0, [], []
     for node in ray_nodes(stale_ok=True):
         gpus = int(node.get("Resources", {}).get("GPU", 0)) if node.get("Alive") else 0
         usable = max(0, gpus - lost_slots.get(node["NodeID"], 0)) // gpus_per_node
         nodes += usable
         if gpus:
             parts.append(f"{node['NodeID'][:8]}: {usable} node(s)")
-    return Capacity(nodes, f"({', '.join(parts)})")
+        if usable:
+            usable_resources.append(node.get("Resources", {}))
+    return Capacity(nodes, f"({', '.join(parts)})", gpus_from_ray_resources(usable_resources))
+
+
+def cluster_gpus(gpus_per_node: int) -> DetectedGpus | None:
+    """The GPUs the controller's plan uses (`Capacity.gpus`), for a plan made outside PLACING
+    (the preflight's); None when the cluster cannot be read now."""
+    try:
+        return cluster_capacity(gpus_per_node, {}).gpus
+    except Exception as exc:  # the plan then assumes what it does without a cluster
+        logger.info("cannot read the cluster's GPU types: %s", exc)
+        return None
 
 
 def _refused(addr: str, port: int) -> bool:

@@ -55,11 +55,15 @@ def other_layout(spec: Any, ran: Any) -> tuple[Any, Any] | None:
         candidates.append(replace(ran, dp=ran.tp, tp=1))
     if ran.dp > 1:
         candidates.append(replace(ran, zero=0 if ran.zero else 1))
+    from tenax.orchestrator.placement import cluster_gpus
+
     r = spec.resources
+    detected = cluster_gpus(r.gpus_per_node) if candidates else None
     for layout in candidates:
         try:
             moved = with_layout(spec, layout)
-            plan = plan_for_spec(moved, layout.world_size, r.gpus_per_node, pin_zero=True)
+            plan = plan_for_spec(moved, layout.world_size, r.gpus_per_node, pin_zero=True,
+                                 detected=detected)
         except (SpecError, LayoutError, PlanError, ValueError) as err:
             logger.info("preflight: %s is no layout to reshard into: %s", layout.describe(),
                         str(err).splitlines()[0])

@@ -208,9 +208,12 @@ def _plan_rows(spec: Any, report: Report) -> Any:
     from tenax.orchestrator.spec import plan_for_spec
     from tenax.parallel import PlanError
 
+    from tenax.orchestrator.placement import cluster_gpus
+
     r = spec.resources
-    try:
-        plan = plan_for_spec(spec, r.world_size, r.gpus_per_node, pin_zero=True)
+    try:  # the memory the controller will plan with: Ray may name the GPUs
+        plan = plan_for_spec(spec, r.world_size, r.gpus_per_node, pin_zero=True,
+                             detected=cluster_gpus(r.gpus_per_node))
     except PlanError as err:
         report.rows.append(Row("memory", "no layout fits", f"a layout of {r.world_size} ranks",
                                "fail", str(err).splitlines()[0]))
