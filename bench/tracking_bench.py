@@ -9,15 +9,20 @@ on rank 0's tracker thread and, for W&B, in its `wandb-core` process, so what th
 what they take from training on a host whose cores the ranks saturate: the queue append on the
 training thread, the writer's CPU and wandb-core's (goal >= 0.99).
 
+Two shapes: the peers' workload (Llama-like dim 256, 4 layers, the other benches' shape; a
+step of ~0.3-0.4 s here), where the goal applies, and a tiny model (a ~16 ms step) as the worst
+case: what tracking costs per step is about constant, so its share grows as the step shrinks.
 Runs alternate off/on/on/off... (each pair's ratio is on ÷ off of neighbours, so drift of a
 shared host hits both alike); the figure is the median over the pairs. Steady-state steps
-only (the first WARMUP are skipped). Two figures: in-step (tokens ÷ the median of the trainer's
+only: the first WARMUP steps and the first OPEN_S seconds are skipped on both sides, since
+`wandb.init` (~1 s of CPU on rank 0's tracker thread, once per attempt) overlaps the first
+seconds of training and would otherwise be charged to every step of a short run. Two figures: in-step (tokens ÷ the median of the trainer's
 own step times, what `tokens_per_s` reports; the median, as other tenants of a shared host
 stretch single steps) and wall (tokens of the steady window ÷ the time between its
 first and last step records: adds what happens between steps, the record's hand-off included).
 
 Part 2, the writers' CPU, which a loaded host cannot hide: the same backends fed step records
-one at a time in this process (each written before the next, as at training speed), the
+in this process, CPU_CHUNK at a time (each chunk written before the next), the
 tracker thread's CPU (`time.thread_time`) and wandb-core's (/proc) per step after their
 start-up. On a host whose cores the ranks saturate, a step then costs at most that much more:
 the implied ratio is step_s ÷ (step_s + tracking CPU per step), step_s the off runs' median.
@@ -40,20 +45,28 @@ from bench.common import Report, parse_args, ratio
 
 logger = logging.getLogger(__name__)
 
-WARMUP = 10  # also covers wandb.init, a one-time cost (~1 s of CPU) a long job never sees
+WARMUP = 10
+CPU_CHUNK = 25  # records handed over between waits in the writers' CPU measure
+OPEN_S = 3.0  # wandb.init's one-time cost (~1 s of CPU) lands in these seconds (module doc)
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.vocab_size=256", "model.seq_len=64", "model.ffn_hidden=128"]
+PEERS = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
+         "model.vocab_size=512", "model.seq_len=128", "model.ffn_hidden=688"]
+# shape -> (model keys, global batch, (steps, pairs) quick, (steps, pairs) full)
+SHAPES = {"peers' shape": (PEERS, 16, (40, 2), (120, 4)),
+          "tiny model": (MODEL, 8, (100, 2), (300, 5))}
 
 
-def run_once(root: str, tracked: bool, steps: int) -> dict[str, Any]:
+def run_once(root: str, tracked: bool, steps: int, shape: str) -> dict[str, Any]:
     """One launcher run; its steady-state figures."""
     from tenax.parallel.layout import ParallelLayout
     from tenax.testing.jobs import make_spec
     from tenax.testing.ranks import rank_context
     from tenax.workers.launch import launch
 
-    extra = MODEL + [f"train.steps={steps}", f"checkpoint.every_steps={steps}",
-                     "checkpoint.memory_every_steps=0", "train.global_batch_size=8"]
+    model, batch = SHAPES[shape][:2]
+    extra = model + [f"train.steps={steps}", f"checkpoint.every_steps={steps}",
+                     "checkpoint.memory_every_steps=0", f"train.global_batch_size={batch}"]
     if tracked:
         extra += [f"logging.tensorboard_dir={root}/tb-{time.monotonic_ns()}",
                   "logging.wandb={project: tenax-bench, mode: offline}"]
@@ -62,7 +75,11 @@ def run_once(root: str, tracked: bool, steps: int) -> dict[str, Any]:
     layout = ParallelLayout(dp=2, zero=1, micro_batch_size=1)
     if not launch(spec.to_dict(), layout.to_dict(), 2, events.append, 600, rank_context()):
         raise RuntimeError(f"bench run failed: {events[-3:]}")
-    steady = [e for e in events if e["event"] == "step" and e["step"] > WARMUP]
+    records = [e for e in events if e["event"] == "step"]
+    steady = [e for e in records
+              if e["step"] > WARMUP and e["time"] >= records[0]["time"] + OPEN_S]
+    if len(steady) < 10:
+        raise RuntimeError(f"{shape}: {len(steady)} steady steps; run more --steps")
     tokens = spec.train.global_batch_size * spec.model.seq_len
     wall = steady[-1]["time"] - steady[0]["time"]
     return {"tracked": tracked, "steps": len(steady),
@@ -104,8 +121,9 @@ def writer_cpu(root: str, records: int) -> dict[str, float]:
         tracker.submit({"event": "step", "step": step, "loss": 4.0 - step * 1e-4, "lr": 3e-4,
                         "grad_norm": 0.5, "tokens_per_s": 7000.0, "step_s": 0.07,
                         "rank": 0, "time": time.time()})
-        while tracker.stats.written < step:
-            time.sleep(0.0005)
+        if step % CPU_CHUNK == 0 or step == 10:  # as many as a batch takes at a fast step
+            while tracker.stats.written < step:
+                time.sleep(0.0005)
         if step == 10:
             core_start, thread_start = descendants_cpu_s(), tracker.stats.cpu_s
     core = descendants_cpu_s() - core_start
@@ -115,39 +133,54 @@ def writer_cpu(root: str, records: int) -> dict[str, float]:
             "open_cpu_s": stats.open_cpu_s, "failed": len(stats.failed)}
 
 
-def main() -> int:
-    args = parse_args(__doc__)
-    pairs, steps = (2, 100) if args.quick else (5, 300)
-    report = Report("Tracking: tokens/s with TensorBoard + W&B offline on ÷ off")
-    runs: list[dict[str, Any]] = []
+def paired_runs(shape: str, quick: bool) -> list[dict[bool, dict[str, Any]]]:
+    """Off/on pairs of `shape`, alternating which runs first."""
+    steps, pairs = SHAPES[shape][2 if quick else 3]
+    runs = []
     with tempfile.TemporaryDirectory(prefix="tenax-tracking-") as root:
-        os.environ.update({"WANDB_DIR": root, "WANDB_SILENT": "true", "WANDB_MODE": "offline",
-                           "WANDB_DISABLE_GIT": "true"})
+        os.environ["WANDB_DIR"] = root
         for i in range(pairs):
             order = (False, True) if i % 2 == 0 else (True, False)
-            pair = {tracked: run_once(root, tracked, steps) for tracked in order}
+            pair = {tracked: run_once(root, tracked, steps, shape) for tracked in order}
             runs.append(pair)
-            logger.info("pair %d: %s", i, pair)
-    with tempfile.TemporaryDirectory(prefix="tenax-tracking-cpu-") as root:
-        os.environ["WANDB_DIR"] = root
-        cpu = writer_cpu(root, 200 if args.quick else 1000)
-    step_s = statistics.median(p[False]["step_s"] for p in runs)
-    per_step = cpu["writer_cpu_s_per_step"] + cpu["wandb_core_cpu_s_per_step"]
-    report.add("implied tokens/s ratio from the writers' CPU", step_s / (step_s + per_step),
-               ">= 0.99", f"{1e3 * per_step:.2f} ms CPU per step (tracker thread "
-               f"{1e3 * cpu['writer_cpu_s_per_step']:.2f}, wandb-core "
-               f"{1e3 * cpu['wandb_core_cpu_s_per_step']:.2f}) vs step {1e3 * step_s:.0f} ms")
+            logger.info("%s, pair %d: %s", shape, i, pair)
+    return runs
+
+
+def add_ratios(report: Report, shape: str, runs: list[dict[bool, dict[str, Any]]]) -> None:
+    """The in-step and wall ratios of `shape`'s pairs (the goal: the peers' shape)."""
+    goal = ">= 0.99" if shape == "peers' shape" else ""
+    step_ms = 1e3 * statistics.median(p[False]["step_s"] for p in runs)
     for figure in ("in_step", "wall"):
         ratios = [ratio(p[True][figure], p[False][figure]) for p in runs]
         ratios = [r for r in ratios if r is not None]
-        report.add(f"{figure} tokens/s, tracking on ÷ off",
-                   statistics.median(ratios) if ratios else None, ">= 0.99",
-                   f"median of {len(ratios)} pairs: " + ", ".join(f"{r:.3f}" for r in ratios))
-        for tracked in (False, True):
-            report.add(f"{figure} tokens/s, tracking {'on' if tracked else 'off'}",
-                       statistics.median(p[tracked][figure] for p in runs), unit="tok/s")
-    report.context = {"quick": args.quick, "pairs": pairs, "steps": steps, "warmup": WARMUP,
-                      "model": MODEL, "runs": runs, "writer_cpu": cpu,
+        report.add(f"{shape}: {figure} tokens/s, tracking on ÷ off",
+                   statistics.median(ratios) if ratios else None, goal,
+                   f"step {step_ms:.0f} ms; median of {len(ratios)} pairs: "
+                   + ", ".join(f"{r:.3f}" for r in ratios))
+
+
+def main() -> int:
+    args = parse_args(__doc__)
+    report = Report("Tracking: tokens/s with TensorBoard + W&B offline on ÷ off")
+    os.environ.update({"WANDB_SILENT": "true", "WANDB_MODE": "offline",
+                       "WANDB_DISABLE_GIT": "true"})
+    runs = {shape: paired_runs(shape, args.quick) for shape in SHAPES}
+    with tempfile.TemporaryDirectory(prefix="tenax-tracking-cpu-") as root:
+        os.environ["WANDB_DIR"] = root
+        cpu = writer_cpu(root, 200 if args.quick else 1000)
+    per_step = cpu["writer_cpu_s_per_step"] + cpu["wandb_core_cpu_s_per_step"]
+    for shape, shape_runs in runs.items():
+        add_ratios(report, shape, shape_runs)
+        step_s = statistics.median(p[False]["step_s"] for p in shape_runs)
+        report.add(f"{shape}: implied tokens/s ratio from the writers' CPU",
+                   step_s / (step_s + per_step), ">= 0.99" if shape == "peers' shape" else "",
+                   f"{1e3 * per_step:.2f} ms CPU per step (tracker thread "
+                   f"{1e3 * cpu['writer_cpu_s_per_step']:.2f}, wandb-core "
+                   f"{1e3 * cpu['wandb_core_cpu_s_per_step']:.2f}) vs step "
+                   f"{1e3 * step_s:.0f} ms")
+    report.context = {"quick": args.quick, "shapes": {k: v[:2] for k, v in SHAPES.items()},
+                      "warmup": WARMUP, "open_s": OPEN_S, "runs": runs, "writer_cpu": cpu,
                       "load_avg": os.getloadavg()}
     report.finish(args.json_path)
     return 0

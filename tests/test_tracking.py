@@ -187,6 +187,38 @@ def test_a_full_queue_drops_the_oldest_with_one_warning(caplog):
     assert len(falls_behind) == 1
 
 
+class Batched(Recorder):
+    """A backend that takes its records in batches, like W&B."""
+    batch_s = 30.0
+
+
+def test_a_batching_backend_gets_its_records_together_and_all_of_them_at_close():
+    backend = Batched()
+    tracker = Tracker([backend], 0, SPEC, capacity=100)
+    for step in range(1, 11):
+        tracker.submit(step_record(step, 1.0))
+    lane = tracker.lanes[0]
+    assert lane.pending() == 10  # not woken at each step: all wait for the batch
+    for step in range(11, 51):  # half the queue waiting wakes the writer at once
+        tracker.submit(step_record(step, 1.0))
+    deadline = time.monotonic() + 30
+    while lane.stats.written < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lane.stats.written == 50 and lane.stats.dropped == 0
+    flushes = [m for m, _ in backend.calls if m == "flush"]
+    assert len(flushes) == 1  # one batch, one hand-over
+    tracker.submit(step_record(51, 1.0))
+    stats = tracker.close()  # the rest lands at close, without waiting for the batch
+    assert (stats.written, stats.dropped) == (51, 0)
+    assert [a[0] for m, a in backend.calls if m == "scalars"] == list(range(1, 52))
+
+
+def test_wandb_is_handed_its_records_in_batches():
+    from tenax.workers.tracking.wandb_writer import BATCH_S, TRANSACTION_LOG_FLUSH_S, WandbWriter
+
+    assert 0 < WandbWriter.batch_s == BATCH_S <= TRANSACTION_LOG_FLUSH_S
+
+
 @pytest.mark.parametrize("fail_on", ["open", "scalars", "flush"])
 def test_a_failing_backend_is_switched_off_once_and_others_go_on(fail_on, caplog):
     broken, healthy = Recorder(fail_on=fail_on), Recorder()

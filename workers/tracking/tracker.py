@@ -3,7 +3,9 @@
 Why threads and bounded queues: the training loop only appends a record (a dict it already
 built) to one deque per backend and sets an event, O(1) and lock-light; opening a backend
 (`wandb.init` takes seconds), encoding protobufs and writing files happen on that backend's
-daemon thread (a `Lane`), so a backend slow to open never holds up another's writes. When a
+daemon thread (a `Lane`), so a backend slow to open never holds up another's writes. A
+backend that names a `batch_s` (W&B) is handed its records that often instead of at each step
+(workers/tracking/wandb_writer.py says why), and earlier when half its queue is full. When a
 writer falls behind by `capacity` records its oldest are dropped (counted, one warning), so a
 slow file system or network can never stall a step.
 
@@ -154,6 +156,9 @@ class Lane:
                  capacity: int, notices: collections.deque[Record] | None = None) -> None:
         self.backend, self.first_step, self.spec = backend, first_step, spec
         self.capacity = capacity
+        # A backend whose every call wakes other threads or processes (W&B: its service
+        # process) takes its records in batches this often instead of one per step
+        self.batch_s = float(getattr(backend, "batch_s", 0.0) or 0.0)
         self.step = first_step  # the step being written: where a switch-off is told
         # `tracking_off` records for the training thread to emit (a deque: appends and
         # pops are atomic, so this thread and the training thread need no lock for it)
@@ -178,7 +183,9 @@ class Lane:
                     logger.warning("tracking (%s) falls behind training: dropping the oldest "
                                    "records (the JSON log keeps them all)", self.backend.name)
             self._queue.append(record)
-        self._wake.set()
+            waiting = len(self._queue)
+        if not self.batch_s or waiting * 2 >= self.capacity:  # never drop for batching
+            self._wake.set()
 
     def close(self) -> None:
         self.closing = True
@@ -193,7 +200,7 @@ class Lane:
         while True:
             # A backend that batches its writes (TensorBoard on an object store) names how
             # often it wants a flush while no record comes: a hung job's last steps still land.
-            self._wake.wait(getattr(self.backend, "flush_every_s", None))
+            self._wake.wait(self.batch_s or getattr(self.backend, "flush_every_s", None))
             self._wake.clear()
             with self._lock:
                 batch, self._queue = list(self._queue), collections.deque()
