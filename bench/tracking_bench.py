@@ -16,10 +16,11 @@ Runs alternate off/on/on/off... (each pair's ratio is on ÷ off of neighbours, s
 shared host hits both alike); the figure is the median over the pairs. Steady-state steps
 only: the first WARMUP steps and the first OPEN_S seconds are skipped on both sides, since
 `wandb.init` (~1 s of CPU on rank 0's tracker thread, once per attempt) overlaps the first
-seconds of training and would otherwise be charged to every step of a short run. Two figures: in-step (tokens ÷ the median of the trainer's
-own step times, what `tokens_per_s` reports; the median, as other tenants of a shared host
-stretch single steps) and wall (tokens of the steady window ÷ the time between its
-first and last step records: adds what happens between steps, the record's hand-off included).
+seconds of training and would otherwise be charged to every step of a short run. Two
+figures: in-step (tokens ÷ the median of the trainer's own step times, what `tokens_per_s`
+reports; the median, as other tenants of a shared host stretch single steps) and wall (tokens
+of the steady window ÷ the time between its first and last step records: adds what happens
+between steps, the record's hand-off included).
 
 Part 2, the writers' CPU, which a loaded host cannot hide: the same backends fed step records
 in this process, CPU_CHUNK at a time (each chunk written before the next), the
