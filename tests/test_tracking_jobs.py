@@ -4,6 +4,7 @@ rank 0 recovers into the same run (the redone steps read back once, with their f
 and `tenax run` run again on its checkpoint continues the same W&B run."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,11 @@ def test_killed_rank_zero_recovers_into_the_same_run(tmp_path, wandb_offline):
     assert len(failures) == 1 and "rank 0 failed" in failures[0][1]
     runs = sorted((wandb_offline / "wandb").glob("offline-run-*"))
     # One directory per attempt, one run id: `wandb sync` makes them one run. (The killed
-    # attempt may have died inside wandb.init, before writing a record: only names are sure.)
+    # attempt may have died inside wandb.init, before writing a record: only names are sure.
+    # Two attempts that open within one second share the timestamp: W&B then adds "-1".)
     run_id = wandb_run_id(job.controller.job_id, {})
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(named.fullmatch(r.name) for r in runs), runs
     second = wandb_run(runs[1])
     assert second["id"] == run_id
     steps = [r["_step"] for r in second["history"] if "train/loss" in r]
