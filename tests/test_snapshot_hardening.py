@@ -10,6 +10,7 @@ import sys
 import threading
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -184,26 +185,35 @@ def test_only_rank_0s_snapshots_off_is_told_and_it_closes_the_snapshots():
     assert notices[0].fields["reason"] == "no space in /x" and notices[0].fields["step"] == 3
 
 
+def job_with_agents_on(tmpfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       steps: int) -> tuple[Any, Any]:
+    """A 2-rank job on an embedded Ray whose agents keep their snapshots on `tmpfs` while the
+    controller plans with /dev/shm; (the finished job, its spec)."""
+    import ray
+
+    from tenax.testing.clusters import start_local_ray
+    from tenax.testing.jobs import make_spec, run_job
+
+    monkeypatch.setenv("TENAX_SNAPSHOT_DIR", str(tmpfs))
+    start_local_ray(gpus=2)  # its agents inherit the tmpfs
+    monkeypatch.delenv("TENAX_SNAPSHOT_DIR")  # the controller plans with /dev/shm
+    try:
+        spec = make_spec(tmp_path, [f"train.steps={steps}", "resources.nodes=1",
+                                    "resources.gpus_per_node=2"])
+        return run_job(spec), spec
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.slow
 def test_a_tmpfs_that_fills_while_the_job_runs_turns_snapshots_off_once(tmp_path, monkeypatch):
     """The controller's host has room (its plan keeps snapshots on); the agents' tmpfs has
     none: the ranks find out at their first buffer, turn snapshots off together, the
     controller says so once and keeps them off; the job's losses are the clean run's."""
-    import ray
-
-    from tenax.testing.clusters import start_local_ray
-    from tenax.testing.jobs import assert_same_losses, make_spec, reference_losses, run_job
+    from tenax.testing.jobs import assert_same_losses, reference_losses
 
     with small_tmpfs(tmp_path / "tmpfs", "64k") as tmpfs:
-        monkeypatch.setenv("TENAX_SNAPSHOT_DIR", str(tmpfs))
-        start_local_ray(gpus=2)  # its agents inherit the small tmpfs
-        monkeypatch.delenv("TENAX_SNAPSHOT_DIR")  # the controller plans with /dev/shm
-        try:
-            spec = make_spec(tmp_path, ["train.steps=8", "resources.nodes=1",
-                                        "resources.gpus_per_node=2"])
-            job = run_job(spec)
-        finally:
-            ray.shutdown()
+        job, spec = job_with_agents_on(tmpfs, tmp_path, monkeypatch, 8)
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
     off = job.of("snapshots_off")
     assert len(off) == 1 and str(tmpfs) in off[0]["reason"] and off[0]["free_bytes"] >= 0, off
@@ -245,10 +255,7 @@ def test_agents_that_cannot_make_the_jobs_directory_start_the_ranks_with_snapsho
     """The agents' tmpfs has no inode left when the ranks start (the job's directory cannot
     be made): the ranks start all the same, agree at their first snapshot that snapshots are
     off, the controller says so once naming the directory, and the losses are the clean run's."""
-    import ray
-
-    from tenax.testing.clusters import start_local_ray
-    from tenax.testing.jobs import assert_same_losses, make_spec, reference_losses, run_job
+    from tenax.testing.jobs import assert_same_losses, reference_losses
 
     with small_tmpfs(tmp_path / "tmpfs", "4m", ",nr_inodes=16") as tmpfs:
         filled = 0
@@ -256,15 +263,7 @@ def test_agents_that_cannot_make_the_jobs_directory_start_the_ranks_with_snapsho
             while True:
                 (tmpfs / f"fill{filled}").mkdir()
                 filled += 1
-        monkeypatch.setenv("TENAX_SNAPSHOT_DIR", str(tmpfs))
-        start_local_ray(gpus=2)  # its agents inherit the full tmpfs
-        monkeypatch.delenv("TENAX_SNAPSHOT_DIR")  # the controller plans with /dev/shm
-        try:
-            spec = make_spec(tmp_path, ["train.steps=6", "resources.nodes=1",
-                                        "resources.gpus_per_node=2"])
-            job = run_job(spec)
-        finally:
-            ray.shutdown()
+        job, spec = job_with_agents_on(tmpfs, tmp_path, monkeypatch, 6)
         assert sorted(p.name for p in tmpfs.iterdir()) == sorted(f"fill{i}"
                                                                   for i in range(filled))
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
