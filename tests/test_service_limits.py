@@ -261,3 +261,52 @@ def test_one_token_cannot_hold_every_watch_stream() -> None:
     assert "at most 5" in (slots.acquire("dave") or "")
     slots.release("alice")
     assert slots.acquire("dave") is None  # a released slot serves anyone
+
+
+def big_versions(root: Path, steps: list[int], ranks: int) -> None:
+    """Committed versions whose manifests name `ranks` files each (~65 bytes a file), and one
+    version left uncommitted; written the way a job's catalog lays them out."""
+    from tenax.checkpoint.format.catalog import MANIFEST_NAME, version_name
+    from tenax.checkpoint.format.manifest import FileEntry, Manifest
+
+    for step in steps:
+        where = root / version_name(step)
+        where.mkdir(parents=True)
+        files = {f"__{r}_0.distcp": FileEntry(1 << 20, "crc32c:0badf00d") for r in range(ranks)}
+        manifest = Manifest(step=step, layout={"dp": ranks}, world_size=ranks, model_hash="h",
+                            data_cursor=step, seed=0, lr_step=step, files=files)
+        (where / MANIFEST_NAME).write_text(manifest.to_json())
+    (root / version_name(steps[-1] + 1)).mkdir()  # a save that never committed
+
+
+def test_checkpoint_listings_larger_than_a_reply_come_in_pages(server: dict[str, Any]) -> None:
+    """30 versions of a 2,000-rank job's manifests are ~4.5 MB: one reply would pass gRPC's
+    4 MiB limit (RESOURCE_EXHAUSTED at the client); pages hold every version once, in order."""
+    root = server["state"] / "ck" / "big"
+    record = server["store"].add_job("big-0000", "big", json.dumps({"name": "big"}),
+                                     f"file://{root}")
+    steps = list(range(10, 310, 10))
+    big_versions(root, steps, 2000)
+    s, md = server["stub"], auth("bob-token")
+    listed, token, pages = [], "", 0
+    while True:
+        reply = s.ListCheckpoints(pb.ListCheckpointsRequest(job_id=record.job_id,
+                                                            page_token=token),
+                                  timeout=30, metadata=md)
+        assert reply.ByteSize() <= 3 << 20 and reply.uri == f"file://{root}"
+        listed += [(v.step, v.committed, v.world_size) for v in reply.versions]
+        pages, token = pages + 1, reply.next_page_token
+        if not token:
+            break
+    assert pages > 1
+    assert listed == [(step, True, 2000) for step in steps] + [(steps[-1] + 1, False, 0)]
+    first = s.ListCheckpoints(pb.ListCheckpointsRequest(job_id=record.job_id, page_size=7),
+                              timeout=30, metadata=md)
+    assert [v.step for v in first.versions] == steps[:7] and first.next_page_token
+    assert json.loads(first.versions[0].manifest_json)["step"] == 10
+    for bad, field in ((pb.ListCheckpointsRequest(job_id=record.job_id, page_size=-1),
+                        "page_size"),
+                       (pb.ListCheckpointsRequest(job_id=record.job_id, page_token="garbage"),
+                        "page_token")):
+        code, details = code_of(lambda: s.ListCheckpoints(bad, timeout=10, metadata=md))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, details

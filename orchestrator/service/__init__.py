@@ -1,7 +1,7 @@
 """tenax.orchestrator.service — `tenax serve`: many jobs on one cluster, over gRPC.
 
 - `serve`, `ServeConfig`: run the service; `JobServer`, `ServerOptions`: the gRPC server of
-  the pinned `JobService`.
+  the pinned `JobService`, whose calls `JobServicer` answers.
 - `JobManager`: one controller thread per job, every event stored before it is seen;
   `JobStore` (`JobRecord`, `EventRecord`): the durable history a restart resumes from.
 - Scheduling: the pure `decide(SchedulingSnapshot) -> [SchedulingDecision]` (a
@@ -20,6 +20,7 @@ from tenax.faces import lazy_face
 
 _MODULES = {
     "server": ("JobServer", "ServeConfig", "ServerOptions", "serve"),
+    "servicer": ("JobServicer",),
     "jobs": ("JobManager",),
     "store": ("EventRecord", "JobRecord", "JobStore"),
     "scheduling_policy": ("Cluster", "JobView", "SchedulingAction", "SchedulingDecision",

@@ -300,22 +300,15 @@ class JobManager:
         return request_profile(self.runners[job_id].controller, steps)
 
     @staticmethod
-    def checkpoints(uri: str) -> list[dict[str, Any]]:
-        """Versions under a checkpoint URI; StorageError/CatalogError when unreadable."""
+    def checkpoints(uri: str, after_step: int | None = None,
+                    count: int | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """Versions under a checkpoint URI by step, those after `after_step`, at most `count`
+        (only their manifests are read), and whether more follow; StorageError/CatalogError
+        when unreadable."""
         catalog = Catalog(Storage(uri, timeout_s=STORAGE_TIMEOUT_S))
-        out = []
-        for v in catalog.versions():
-            item: dict[str, Any] = {"step": v.step, "committed": v.committed, "size_bytes": v.size}
-            if v.committed:
-                try:
-                    m = catalog.manifest(v.step)
-                except CatalogError as err:  # listed, but say why it would not load
-                    item["error"] = str(err)
-                else:
-                    item.update(layout=m.layout, world_size=m.world_size,
-                                created_at=m.created_at, manifest_json=m.to_json())
-            out.append(item)
-        return out
+        versions = [v for v in catalog.versions() if after_step is None or v.step > after_step]
+        chosen = versions if count is None else versions[:count]
+        return [version_item(catalog, v) for v in chosen], len(chosen) < len(versions)
 
     # ---- change notification (WatchJob) -----------------------------------------------------
     def notify(self) -> None:
@@ -333,3 +326,18 @@ class JobManager:
         with self._changed:
             if self._version == seen:
                 self._changed.wait(timeout_s)
+
+
+def version_item(catalog: Catalog, version: Any) -> dict[str, Any]:
+    """One version as ListCheckpoints shows it; a committed one with its manifest's figures."""
+    item: dict[str, Any] = {"step": version.step, "committed": version.committed,
+                            "size_bytes": version.size}
+    if version.committed:
+        try:
+            m = catalog.manifest(version.step)
+        except CatalogError as err:  # listed, but say why it would not load
+            item["error"] = str(err)
+        else:
+            item.update(layout=m.layout, world_size=m.world_size, created_at=m.created_at,
+                        manifest_json=m.to_json())
+    return item

@@ -136,6 +136,25 @@ def decode_page_token(token: str) -> tuple[float, str] | None:
     return float(created_at), job_id
 
 
+def encode_step_token(step: int) -> str:
+    """Where ListCheckpoints' next page starts: after this step."""
+    return base64.urlsafe_b64encode(json.dumps({"after_step": step}).encode()).decode("ascii")
+
+
+def decode_step_token(token: str) -> int | None:
+    """None for ''; ValueError naming the field for anything `encode_step_token` did not make."""
+    if not token:
+        return None
+    try:
+        step = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))["after_step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError("not a step")
+    except (ValueError, TypeError, KeyError, UnicodeError, RecursionError) as err:
+        raise ValueError(f"page_token: {token[:40]!r} is not a token this server gave "
+                         f"({type(err).__name__})") from None
+    return step
+
+
 # ---- checkpoint roots in use ---------------------------------------------------------------
 def claim_keys(uri: str) -> tuple[str | None, str]:
     """(normal form or None when it has none, the raw spelling without trailing '/'): what

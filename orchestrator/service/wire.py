@@ -94,6 +94,17 @@ def _set_queue(msg: pb.Job, spec: dict[str, Any], state: str, status: dict[str, 
         msg.waiting_for = str(status.get("waiting_for") or "")
 
 
+def version_message(version: dict[str, Any]) -> pb.CheckpointVersion:
+    """One checkpoint version (JobManager.checkpoints) as ListCheckpoints sends it."""
+    item = pb.CheckpointVersion(step=version["step"], committed=version["committed"],
+                                size_bytes=version["size_bytes"],
+                                world_size=version.get("world_size", 0),
+                                created_at=version.get("created_at", ""),
+                                manifest_json=version.get("manifest_json", ""))
+    set_layout(item.layout, version.get("layout"))
+    return item
+
+
 def event_message(record: EventRecord) -> pb.JobEvent:
     e = record.event
     msg = pb.JobEvent(job_id=record.job_id, seq=record.seq, kind=record.kind, step=record.step,

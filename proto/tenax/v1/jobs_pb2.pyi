@@ -182,10 +182,14 @@ class JobEvent(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., json: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., loss: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "page_size", "page_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, job_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class CheckpointVersion(_message.Message):
     __slots__ = ("step", "committed", "size_bytes", "layout", "world_size", "created_at", "manifest_json")
@@ -206,12 +210,14 @@ class CheckpointVersion(_message.Message):
     def __init__(self, step: _Optional[int] = ..., committed: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., world_size: _Optional[int] = ..., created_at: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("uri", "versions")
+    __slots__ = ("uri", "versions", "next_page_token")
     URI_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     uri: str
     versions: _containers.RepeatedCompositeFieldContainer[CheckpointVersion]
-    def __init__(self, uri: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[CheckpointVersion, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, uri: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[CheckpointVersion, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ProfileJobRequest(_message.Message):
     __slots__ = ("job_id", "steps")
