@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tenax.testing.clusters import start_local_ray
-from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, run_job
+from tenax.testing.jobs import JobRun, assert_same_losses, make_spec, reference_losses, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -334,17 +334,19 @@ def test_the_zygote_adopts_the_forkserver_its_launcher_started_on_its_node(tmp_p
     assert_same_losses(job.losses(), clean.losses())
 
 
-def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path, clean):
+def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path):
     """Every training process of a node block forks from the block's zygote; when the zygote's
     process dies, its forkserver and the ranks forked from it die with it, Ray starts the
     zygote again (one import), and the agents — untouched, snapshots and all — fork from the
-    new one."""
+    new one. Enough steps that the resumed ranks are still training when their parents are
+    looked at: on a quiet host 15 steps took 0.2 s and the job ended before the first look."""
     import os
     import signal
 
     import ray
 
-    spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1", "resources.gpus_per_node=2"])
+    spec = make_spec(tmp_path, ["train.steps=120", "resources.nodes=1",
+                                "resources.gpus_per_node=2"])
     job = JobRun(spec).start()
     job.wait_for(lambda: job.controller.step >= 5, 300, "step 5")
     zygote = job.controller.group.blocks[0]["zygote"]
@@ -363,4 +365,4 @@ def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path,
     assert f"forkserver it was forked from (pid {old['pid']}) died" in failure["cause"], failure
     assert seen["agents"] == agents  # the same agents, with the snapshots they held
     assert new["pid"] != old["pid"] and seen["parents"] == {new["pid"]}  # the new zygote's
-    assert_same_losses(job.losses(), clean.losses())
+    assert_same_losses(job.losses(), reference_losses(spec))
