@@ -11,7 +11,8 @@
   `ServeConfig`, `serve`.
 - The command line: `main` (`tenax`), `run_job` (`tenax run`).
 - Errors: every exception of this layer (orchestrator/errors.py), importable alone.
-- `loopback_env`: the environment that keeps a local Ray on 127.0.0.1 (before `import ray`).
+- `loopback_env`: the environment that keeps a local Ray on 127.0.0.1 and starts it without
+  an idle second (before `import ray`).
 
 Rooms, bottom to top: the base modules above, `chaos` (drills), `placement` (worker group,
 placer, capacity, recovery source), `job` (controller, policies, states, health, metrics),
