@@ -1,29 +1,34 @@
-"""One short script for a lent GPU: engine parity on cuda, a bf16 loss curve, and bf16 MFU.
+"""One short script for a lent GPU: per-step snapshots, MFU, engine parity on cuda and a
+bf16 loss curve.
 
     python -m bench.gpu_check --out DIR [--device cuda|cpu] [--quick]
 
-Why this shape: a lent GPU host has torch but no Ray, pydantic or network, and a few minutes of
+Why this shape: a lent GPU host has torch but no Ray and no network, and a few minutes of
 time; so every check is a subprocess of this file (a crash or NCCL hang costs one check, not
-the run, and a per-check deadline bounds it), it imports only the engine (`parallel/`,
-`tenax.workers.launch`) and `bench/mfu_bench.py`, and it writes everything to DIR/gpu_check.log and
-the figures to DIR/gpu_check.json (default `$OUT`, else ./gpu_check_out). `--device cpu` (or
-`--quick`) runs the same checks on gloo/CPU with small sizes (the dry run CI can afford).
+the run, and a per-check deadline bounds it), and it writes everything to DIR/gpu_check.log and
+the figures to DIR/gpu_check.json (default `$OUT`, else ./gpu_check_out). The engine checks
+import only the engine (`parallel/`) and `bench/mfu_bench.py`; the snapshot check runs the
+production trainer and checkpoint layer, which need the package's own dependencies (pydantic,
+crc32c) besides torch. `--device cpu` (or `--quick`) runs the same checks on gloo/CPU with
+small sizes (the dry run CI can afford).
 
-Checks:
-1. parity: the engine on cuda fp32 (world size 1, NCCL; ZeRO 0/1/2/3) against the CPU fp32
-   single-process reference, same seed and data, SGD (so parameters are comparable): losses
-   per step (goal 1e-5 relative) and final parameters (max |diff| / lr ~ a gradient error,
-   goal 1e-4). Then 2 ranks on the one GPU: NCCL refuses two ranks on one device, so this is
-   tried and, when refused, gloo with CUDA tensors is used instead; the log says which.
-2. bf16: 60 AdamW steps under bf16 autocast on a learnable synthetic stream: finite losses,
+Checks, most valuable first:
+1. snapshots: `bench/device_snapshot_bench.py` on the ~1.3B-parameter model, its blocks
+   compiled: tokens/s with a snapshot asked for after every step ÷ without (goal 0.97), each
+   of two snapshots equal to the state it was taken from, and a restore from memory ÷ from
+   local disk.
+2. mfu: `bench/mfu_bench.py` on cuda bf16 with the same model, eager and with its blocks
+   compiled (`train.compile`), next to the planner (goal 0.40).
+3. parity: the engine on cuda fp32 (world size 1, NCCL; ZeRO 1 compiled, then ZeRO 0/1/2/3
+   eager) against the CPU fp32 single-process reference, same seed and data, SGD (so
+   parameters are comparable): losses per step (goal 1e-5 relative) and final parameters
+   (max |diff| / lr ~ a gradient error, goal 1e-4).
+4. bf16: 60 AdamW steps under bf16 autocast on a learnable synthetic stream: finite losses,
    last 5 mean < 0.7 x first 5 mean.
-3. mfu: `bench/mfu_bench.py` on cuda bf16 with a ~1.3B-parameter model, next to the planner.
-4. snapshot copy: `bench/device_snapshot_bench.py`, what a per-step snapshot's device-to-host
-   copy costs a step as `checkpoint/memory/snapshot.py` makes it (`.cpu()`) and asynchronously (a
-   side stream into pinned buffers, fenced on the device); the async copy must be exact.
-They run as world-1 parity, bf16, mfu, snapshot copy, then the 2-rank parity, each skipped
-when the time budget ($GPU_CHECK_BUDGET_S, default 330 s) is spent; the JSON is rewritten
-after every check.
+5. 2 ranks on the one GPU: NCCL refuses two ranks on one device, so this is tried and, when
+   refused, gloo with CUDA tensors is used instead; the log says which.
+Each is skipped when the time budget ($GPU_CHECK_BUDGET_S, default 420 s) is spent; the JSON
+is rewritten after every check.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ from tenax.testing.scripts import exit_unless_run_as_module
 
 exit_unless_run_as_module(__spec__, __file__)  # a path run stops here, before `bench.`
 
+from bench.gpu_check_scripts import mfu_check, repo_env, snapshot_check
+
 logger = logging.getLogger(__name__)
 
 PARITY_MODEL = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, seq_len=64,
@@ -50,7 +57,7 @@ CURVE_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096
 GLOBAL_BATCH, MICRO, PARITY_STEPS, PARITY_LR = 8, 2, 3, 0.05
 LOSS_RTOL, GRAD_ATOL = 1e-5, 1e-4
 WORKER_TIMEOUT_S = 150
-TOTAL_BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "330"))
+TOTAL_BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "420"))
 
 
 # ---- worker side (runs in a subprocess, one process group each) ---------------------------
@@ -84,7 +91,7 @@ def _parity(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     cfg = model_config(PARITY_MODEL)
     rows = GLOBAL_BATCH // args.world
     loop = EngineLoop(cfg, device, None, MICRO, rows // MICRO, dp=args.world, zero=args.zero,
-                      optimizer_kind="sgd", lr=PARITY_LR)
+                      optimizer_kind="sgd", lr=PARITY_LR, compile=args.compile)
     losses = []
     for step in range(PARITY_STEPS):
         x, y = synthetic_batch(GLOBAL_BATCH, cfg.seq_len, cfg.vocab_size, 7, step)
@@ -122,13 +129,6 @@ def _curve(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 
 
 # ---- driver side --------------------------------------------------------------------------
-def repo_env() -> dict[str, str]:
-    """This environment with the working directory (the repository root) first on PYTHONPATH:
-    the checks run as `python -m bench.NAME` subprocesses."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        os.getcwd(), os.environ.get("PYTHONPATH")])))
-
-
 class Driver:
     def __init__(self, out_dir: str, device: str) -> None:
         self.out_dir, self.device = out_dir, device
@@ -222,7 +222,11 @@ def parity_world1(d: Driver) -> None:
     d.ref = (ref[0], load_params(os.path.join(d.tmp, "ref-cpu-0.json.pt")))
     d.log(f"parity: CPU fp32 reference losses {ref[0]['losses']}")
     backend = "nccl" if d.device == "cuda" else "gloo"
+    run_parity(d, f"world1-{backend}-zero1-compile", 1, backend, 1, *d.ref, compile=True)
     for zero in (0, 1, 2, 3):
+        if d.over_budget(0.8):
+            d.log(f"parity world1-{backend}-zero{zero}: skipped (time budget)")
+            continue
         run_parity(d, f"world1-{backend}-zero{zero}", 1, backend, zero, *d.ref)
 
 
@@ -252,9 +256,12 @@ def parity_world2(d: Driver) -> None:
 
 
 def run_parity(d: Driver, name: str, world: int, backend: str, zero: int, ref: dict[str, Any],
-               ref_params: dict[str, Any], timeout_s: float = WORKER_TIMEOUT_S) -> bool:
+               ref_params: dict[str, Any], timeout_s: float = WORKER_TIMEOUT_S,
+               compile: bool = False) -> bool:
+    """`compile`: the blocks compiled (`train.compile`), against the same eager reference."""
     res = d.spawn(name, world, ["parity", "--device", d.device, "--backend", backend,
-                                "--zero", str(zero)], timeout_s)
+                                "--zero", str(zero)] + (["--compile"] if compile else []),
+                  timeout_s)
     if isinstance(res, str):
         d.log(f"parity {name}: did not run: {res}")
         d.figures["checks"][f"parity_{name}"] = {"ok": False, "error": res}
@@ -283,58 +290,6 @@ def curve_check(d: Driver) -> None:
           + " ".join(f"{v:.3f}" for v in r["losses"][::5]))
 
 
-def run_script(d: Driver, key: str, module: str, args: list[str],
-               exits: tuple[int, ...] = (0,)) -> dict[str, Any] | None:
-    """Run `python -m module` with `args` + `--json PATH` (180 s at most); its JSON, or None
-    after recording the failure under checks[`key`]. `exits`: the exit codes that still leave
-    a result (a script may write its figures and exit 1 for a failed check)."""
-    path = os.path.join(d.tmp, f"{key}.json")
-    cmd = [sys.executable, "-m", module, *args, "--json", path]
-    try:
-        proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        d.log(f"{key}: timed out after 180 s")
-        d.figures["checks"][key] = {"ok": False, "error": "timeout"}
-        return None
-    with open(d.log_path, "a") as f:
-        f.write(f"---- {key} output ----\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
-    if proc.returncode not in exits or not os.path.exists(path):
-        d.log(f"{key}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-        d.figures["checks"][key] = {"ok": False, "error": proc.stderr[-2000:]}
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def mfu_check(d: Driver) -> None:
-    r = run_script(d, "mfu", "bench.mfu_bench",
-                   ["--device", d.device, "--steps", "10" if d.device == "cuda" else "3"])
-    if r is None:
-        return
-    d.figures["checks"]["mfu"] = {**r, "ok": r["loss_finite"]}
-    d.log(f"mfu: {r['device_name']} {r['dtype']} {r['params'] / 1e9:.2f}B params, median step "
-          f"{r['median_step_s']:.3f} s, {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.3f} of "
-          f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']}), "
-          f"{r['mfu_vs_measured_matmul']:.3f} of measured matmul "
-          f"{r['measured_matmul_flops'] / 1e12:.3g} TFLOP/s; planner: {r['planner']}")
-
-
-def snapshot_copy_check(d: Driver) -> None:
-    """bench/device_snapshot_bench.py: a snapshot's device-to-host copy, blocking vs async
-    (it exits 1, with its figures written, when the async copy is not exact)."""
-    r = run_script(d, "snapshot_copy", "bench.device_snapshot_bench", ["--device", d.device],
-                   exits=(0, 1))
-    if r is None:
-        return
-    d.figures["checks"]["snapshot_copy"] = {**r, "ok": r["async_copy_exact"]}
-    med = r["median_step_s"]
-    d.log(f"snapshot copy: {r['state_bytes'] / 1e9:.2f} GB of state; median step none "
-          f"{med['none']:.3f} s, blocking .cpu() {med['blocking']:.3f} s, async "
-          f"{med['async']:.3f} s; tokens/s vs none: blocking "
-          f"{r['tokens_per_s_blocking_over_none']:.3f}, async "
-          f"{r['tokens_per_s_async_over_none']:.3f}; async copy exact: {r['async_copy_exact']}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
@@ -344,6 +299,8 @@ def main() -> int:
     parser.add_argument("--worker", default=None, choices=("parity", "curve"))
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--zero", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="parity: blocks compiled")
+    parser.add_argument("--only", default="", help="comma-separated check names (a rerun)")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
@@ -359,8 +316,13 @@ def main() -> int:
     d = Driver(args.out, "cpu" if args.quick else args.device)
     d.log(f"gpu_check on {args.device}; python {sys.version.split()[0]}")
     # Most valuable first: a run cut short by the host's time limit keeps what it reached.
-    for check in (parity_world1, curve_check, mfu_check, snapshot_copy_check,
-                  parity_world2):
+    checks = (snapshot_check, mfu_check, parity_world1, curve_check, parity_world2)
+    only = set(filter(None, args.only.split(",")))
+    unknown = only - {c.__name__ for c in checks}
+    if unknown:
+        parser.error(f"--only: {sorted(unknown)} are not checks; choose from "
+                     f"{[c.__name__ for c in checks]}")
+    for check in (c for c in checks if not only or c.__name__ in only):
         if d.over_budget(0.95):
             d.log(f"{check.__name__}: skipped (time budget {TOTAL_BUDGET_S} s)")
             continue

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run from the repo root on a lent GPU host (torch + CUDA; no Ray/pydantic needed):
+# Run from the repo root on a lent GPU host (torch + CUDA, pydantic and crc32c; no Ray needed):
 #   OUT=/some/dir bash bench/gpu_check.sh            # figures in $OUT/gpu_check.{log,json}
 #   bash bench/gpu_check.sh --device cpu             # the same checks on CPU (dry run)
-# About 3-6 minutes on one H200. Exit code 0 only when every check passed.
+# About 6-8 minutes on one H200 ($GPU_CHECK_BUDGET_S, default 420 s, skips what is left; the
+# whole run is cut at $GPU_CHECK_TIMEOUT_S, default 540 s). Exit code 0 only when every check
+# passed.
 set -uo pipefail
 OUT="${OUT:-$(pwd)/gpu_check_out}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: the checks may run from elsewhere
@@ -12,6 +14,7 @@ PY="$(command -v python3 || command -v python)"
   echo "== gpu_check $(date -u +%FT%TZ) host $(hostname)"
   "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  df -h /dev/shm /tmp 2>/dev/null; free -g 2>/dev/null | head -2
 } 2>&1 | tee -a "$OUT/gpu_check.log"
 # The checks import `tenax`, whose sub-packages only an install maps onto the role folders
 # (setup.py). A lent host without one gets the same layout as links in a temporary tree
@@ -29,4 +32,4 @@ if ! "$PY" -c 'import tenax.workers' 2>/dev/null; then
   echo "== tenax is not installed: running from $TREE (links into $REPO)" \
     | tee -a "$OUT/gpu_check.log"
 fi
-exec timeout 480 "$PY" -m bench.gpu_check --out "$OUT" "$@"
+exec timeout "${GPU_CHECK_TIMEOUT_S:-540}" "$PY" -m bench.gpu_check --out "$OUT" "$@"

@@ -1,14 +1,18 @@
 """MFU of the engine on one device, next to the planner's prediction for the same model/layout.
 
     python -m bench.mfu_bench [--device cpu|cuda] [--dtype float32|bfloat16] [--size smoke|gpu]
-                              [--steps N] [--peak-flops F] [--json PATH] [--quick]
+                              [--steps N] [--peak-flops F] [--json PATH] [--quick] [--compile]
 
 `--quick`: the smoke size, 3 timed steps after 1 warm-up (explicit flags win).
+`--compile`: torch.compile each transformer block (`train.compile`, parallel/compile.py). The
+first step compiles, so the untimed warm-up is at least 2 steps with it (the first pays the
+compile, shown in "warmup_step_s"; the timed steps start after a compiled one); the JSON records
+"compile" and "compiled_blocks".
 
 What runs: the real engine path (`tenax.parallel.parallel_model`: model built on meta,
 initialised from the seed, the hand-written DataParallel over a one-rank group) and the
-trainer's step recipe (micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW,
-after_optimizer_step).
+trainer's step recipe (micro-batches, loss scaled to the global-batch mean, finish_grads, AdamW
+fused on GPUs like the trainer's, after_optimizer_step).
 It deliberately imports nothing from orchestrator/ (no pydantic, no Ray) so it also runs on a
 bare GPU host with only torch.
 
@@ -49,6 +53,8 @@ SIZES: dict[str, dict[str, int]] = {
     "gpu": dict(dim=2048, n_layers=24, n_heads=16, n_kv_heads=8, vocab_size=32000, seq_len=2048,
                 ffn_hidden=5632, micro_batch=8, accum=1),
 }
+# With --compile the first step compiles every block; a second untimed one runs compiled.
+MIN_COMPILE_WARMUP = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len", "ffn_hidden")
 
@@ -73,6 +79,7 @@ class EngineLoop:
     seed: int = 0
     optimizer_kind: str = "adamw"
     lr: float = 3e-4
+    compile: bool = False  # torch.compile each transformer block (train.compile)
     parts: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -81,14 +88,18 @@ class EngineLoop:
 
         self.layout = ParallelLayout(dp=self.dp, zero=self.zero, micro_batch_size=self.micro_batch)
         self.mesh = self.layout.build_mesh(self.device.type)
-        self.pm = parallelize(self.model_cfg, self.layout, self.mesh, self.seed, self.device)
+        self.pm = parallelize(self.model_cfg, self.layout, self.mesh, self.seed, self.device,
+                              compile=self.compile)
         self.model = self.pm.parts[0]
         params = self.pm.optimizer_params()
         if self.optimizer_kind == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=self.lr)
         else:
+            # The trainer's choice (workers/trainer.adamw_impl, not imported: no pydantic here):
+            # one fused kernel for the whole update on GPUs, the per-tensor loop on CPU.
+            impl = {"fused": True} if self.device.type == "cuda" else {"foreach": False}
             self.optimizer = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.95),
-                                               weight_decay=0.1, foreach=self.device.type == "cuda")
+                                               weight_decay=0.1, **impl)
         self.global_batch = self.micro_batch * self.accum * self.dp
         self.global_tokens = self.global_batch * self.model_cfg.seq_len
         self.loss_scale = self.dp / self.global_tokens
@@ -190,25 +201,32 @@ def planner_prediction(cfg: Any, loop: EngineLoop, peak: float,
 
 
 def run_mfu(device: torch.device, dtype: str, size: str, steps: int, warmup: int,
-            peak_flops: float | None) -> dict[str, Any]:
-    """Build the engine on a one-rank group, time `steps` steps after `warmup`; the figures."""
+            peak_flops: float | None, compile: bool = False,
+            breakdown: bool = False) -> dict[str, Any]:
+    """Build the engine on a one-rank group, time `steps` steps after `warmup`; the figures.
+    With `compile` the warm-up is at least 2 steps: the first one compiles. `breakdown`: then
+    profile 2 more steps for the device time by kernel kind (bench/step_breakdown.py)."""
     from tenax.parallel.cost_model import train_flops_per_token
 
     dims = SIZES[size]
     cfg = model_config(dims)
     autocast = DTYPES[dtype] if dtype != "float32" else None
-    loop = EngineLoop(cfg, device, autocast, dims["micro_batch"], dims["accum"], dp=1)
+    loop = EngineLoop(cfg, device, autocast, dims["micro_batch"], dims["accum"], dp=1,
+                      compile=compile)
+    if compile and warmup < MIN_COMPILE_WARMUP:
+        logger.warning("--compile: warm-up raised from %d to %d steps (the first compiles)",
+                       warmup, MIN_COMPILE_WARMUP)
+        warmup = MIN_COMPILE_WARMUP
     n_params = sum(p.numel() for p in loop.pm.parameters())
     batch = loop.global_batch
-    times, losses = [], []
+    times, losses, warmup_s = [], [], []
     for step in range(warmup + steps):
         x, y = synthetic_batch(batch, cfg.seq_len, cfg.vocab_size, 0, step)
         sync(device)
         t0 = time.perf_counter()
         losses.append(loop.step(x.to(device), y.to(device)))
         sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
+        (times if step >= warmup else warmup_s).append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     tokens_per_s = loop.global_tokens / step_s
     flops_per_token = train_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
@@ -218,13 +236,27 @@ def run_mfu(device: torch.device, dtype: str, size: str, steps: int, warmup: int
     peak = peak_flops or vendor or measured
     out = {"device": str(device), "device_name": torch.cuda.get_device_name(device)
            if device.type == "cuda" else "cpu", "dtype": dtype, "size": size, "model": dims,
-           "params": n_params, "steps": steps, "median_step_s": step_s,
+           "params": n_params, "compile": compile, "compiled_blocks": loop.pm.compiled,
+           "steps": steps, "warmup": warmup, "warmup_step_s": warmup_s, "median_step_s": step_s,
            "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
            "achieved_flops": flops_per_token * tokens_per_s, "peak_flops": peak,
            "peak_source": "flag" if peak_flops else (gpu_name or "measured matmul"),
            "measured_matmul_flops": measured, "mfu": flops_per_token * tokens_per_s / peak,
            "mfu_vs_measured_matmul": flops_per_token * tokens_per_s / measured,
            "losses": losses, "loss_finite": all(l == l and abs(l) != float("inf") for l in losses)}
+    out.update(device_figures(device, cfg, loop, peak))
+    if breakdown:
+        from bench.step_breakdown import kernel_breakdown
+
+        x, y = x.to(device), y.to(device)
+        out["breakdown"] = kernel_breakdown(lambda: loop.step(x, y))
+    return out
+
+
+def device_figures(device: torch.device, cfg: Any, loop: EngineLoop, peak: float
+                   ) -> dict[str, Any]:
+    """Peak memory held (on a GPU) and the planner's prediction for the same model."""
+    out: dict[str, Any] = {}
     if device.type == "cuda":
         out["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     mem = (torch.cuda.get_device_properties(device).total_memory / 2 ** 30
@@ -254,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-flops", type=float, default=None)
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--quick", action="store_true", help="smoke size, 3 steps, 1 warm-up")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer block (warm-up >= 2 steps)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="then profile 2 steps: device time by kernel kind")
     args = parser.parse_args(argv)
     quick = {"size": "smoke", "steps": 3, "warmup": 1} if args.quick else {"steps": 5, "warmup": 2}
     for name, value in quick.items():
@@ -266,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     one_rank_group(device)
-    result = run_mfu(device, dtype, size, args.steps, args.warmup, args.peak_flops)
+    result = run_mfu(device, dtype, size, args.steps, args.warmup, args.peak_flops,
+                     compile=args.compile, breakdown=args.breakdown)
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=2))
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -78,7 +78,7 @@ def save_both_job(rank: int, world: int, root: str, dims: list[str],
     return {"snapshot": done}
 
 
-def _drop_page_cache(path: str) -> None:
+def drop_page_cache(path: str) -> None:
     """Evict the clean pages of every file under `path` (only these files; nobody else's)."""
     for base, _, files in os.walk(path):
         for name in files:
@@ -139,7 +139,7 @@ def load_reps_job(rank: int, world: int, root: str, dims: list[str], layout: dic
                     _memory_rep(mgr, rank, world, snaps, rep, times)
                     continue
                 if kind == "storage_cold" and rank == 0:
-                    _drop_page_cache(f"{root}/storage")
+                    drop_page_cache(f"{root}/storage")
                 times[kind].append(_timed(remote.load if kind == "storage_s3" else mgr.load))
         events = mgr.drain_events() + (remote.drain_events() if remote else [])
         if remote is not None:

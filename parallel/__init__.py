@@ -16,7 +16,8 @@
 - The model and its parallelisms (torch): `Transformer`, `build_model`, `init_weights`,
   `cross_entropy_sum`, `canonical_param_name`; `parallelize` (applies every parallelism in
   one fixed order) and the `ParallelModel` it returns; activation recompute (`apply_recompute`,
-  `engine_recompute`, `resolve_recompute`, `SavedTensorMeter`); `DataParallel`;
+  `engine_recompute`, `resolve_recompute`, `SavedTensorMeter`); per-block torch.compile
+  (`apply_compile`); `DataParallel`;
   `PipelineRunner`; MoE (`MoEFeedForward`, `apply_ep`, `moe_stats`, ...); context
   parallelism (`ring_attention`, `apply_cp`, zigzag splits); `CommCounter`.
 
@@ -53,6 +54,7 @@ _MODULES = {
               "rotary_inv_freq", "tie_output"),
     "parallel_model": ("ParallelGroups", "ParallelModel", "build_groups", "parallelize"),
     "recompute": ("SavedTensorMeter", "apply_recompute", "engine_recompute", "resolve_recompute"),
+    "compile": ("apply_compile",),
     "pipeline_parallel": ("PipelineRunner",),
     "expert_parallel": ("MoEFeedForward", "MoEStats", "apply_ep", "is_expert_param",
                         "moe_aux_loss", "moe_layers", "moe_stats"),

@@ -12,7 +12,10 @@ Per rank on a node:
     steady = peak = 4 x S        (S = one rank's snapshot state bytes)
     single node (world <= gpus_per_node): no peer, no replica: steady = peak = 2 x S
 
-and per node, the ranks on it (min(gpus_per_node, world)) times that.
+and per node, the ranks on it (min(gpus_per_node, world)) times that. A rank whose state is
+in device memory (`device=True`: resources.device cuda) also keeps one pinned host buffer of S
+that its device copies land in before they are written to tmpfs
+(checkpoint/memory/device_staging.py): 1 x S more per rank, in host memory but not in tmpfs.
 
 S = model shard + optimizer state shard + a small cursor/RNG record, from the same ledger the
 planner uses (`memory_model.model_state_memory`): tp*pp split the parameters, ZeRO stage >= 1
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 ENGINE_FP32_PARAMS = True       # workers/trainer.py: params stay fp32 (autocast on GPUs)
 CURSOR_RNG_BYTES = 64 * 1024    # step, data cursor, CPU/CUDA RNG states: a generous constant
 LOCAL_BUFFERS = 2               # double buffered
+STAGING_BUFFERS = 1             # a device state's pinned host buffer (not in tmpfs)
 REPLICAS_STEADY = 2             # one rank of the previous node block, double buffered
 REPLICAS_PEAK = 2               # the older one rewritten in place once the new one's bytes arrived
 DTYPES = ("float32", "bfloat16", "float16")
@@ -96,17 +100,25 @@ class SnapshotFootprint:
     per_rank_peak_bytes: int
     per_node_steady_bytes: int
     per_node_peak_bytes: int
+    staging_bytes: int = 0      # per rank: the pinned buffer of a device state (not in tmpfs)
 
     @property
     def enabled(self) -> bool:
         return self.memory_every_steps > 0
 
+    @property
+    def per_node_tmpfs_bytes(self) -> int:
+        """What the node's snapshot tmpfs must hold at peak (the staging buffers are not in it)."""
+        return self.per_node_peak_bytes - self.ranks_per_node * self.staging_bytes
+
     def what(self) -> str:
         if not self.enabled:
             return "in-memory snapshots: off (checkpoint.memory_every_steps=0)"
+        staging = " + 1 pinned staging buffer (device state)" if self.staging_bytes else ""
         if not self.replica:
-            return "in-memory snapshots: 2 local buffers (single node: no peer replica)"
-        return DESCRIPTION
+            return (f"in-memory snapshots: 2 local buffers{staging} (single node: no peer "
+                    f"replica)")
+        return DESCRIPTION + staging
 
     def summary(self) -> str:
         """One line for people: what it is, then per rank and per node, steady and peak."""
@@ -126,6 +138,7 @@ class SnapshotFootprint:
                 "per_rank_peak_bytes": self.per_rank_peak_bytes,
                 "per_node_steady_bytes": self.per_node_steady_bytes,
                 "per_node_peak_bytes": self.per_node_peak_bytes,
+                "staging_bytes": self.staging_bytes,
                 "per_rank": {"steady": human_bytes(self.per_rank_steady_bytes),
                              "peak": human_bytes(self.per_rank_peak_bytes)},
                 "per_node": {"steady": human_bytes(self.per_node_steady_bytes),
@@ -134,9 +147,10 @@ class SnapshotFootprint:
 
 
 def node_snapshot_footprint(rank_state_bytes: int, gpus_per_node: int, world_size: int,
-                            memory_every_steps: int) -> SnapshotFootprint:
-    """Per rank 4x S (steady = peak) with a peer replica, 2x on a single node;
-    per node the ranks on it times that; memory_every_steps=0 -> all zeros."""
+                            memory_every_steps: int, device: bool = False) -> SnapshotFootprint:
+    """Per rank 4x S (steady = peak) with a peer replica, 2x on a single node, 1x S more for
+    a device state's staging buffer; per node the ranks on it times that;
+    memory_every_steps=0 -> all zeros."""
     for name, value in (("resources.gpus_per_node", gpus_per_node), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {value!r} must be a positive integer")
@@ -149,15 +163,19 @@ def node_snapshot_footprint(rank_state_bytes: int, gpus_per_node: int, world_siz
     replica = world_size > gpus_per_node
     on = memory_every_steps > 0
     state = int(rank_state_bytes) if on else 0
-    steady = (LOCAL_BUFFERS + (REPLICAS_STEADY if replica else 0)) * state
-    peak = (LOCAL_BUFFERS + (REPLICAS_PEAK if replica else 0)) * state
+    staging = STAGING_BUFFERS * state if device else 0
+    steady = (LOCAL_BUFFERS + (REPLICAS_STEADY if replica else 0)) * state + staging
+    peak = (LOCAL_BUFFERS + (REPLICAS_PEAK if replica else 0)) * state + staging
     return SnapshotFootprint(memory_every_steps, state, ranks, replica, steady, peak,
-                             ranks * steady, ranks * peak)
+                             ranks * steady, ranks * peak, staging)
 
 
 def snapshot_footprint(model: ModelArgs, layout: ParallelLayout, gpus_per_node: int,
                        memory_every_steps: int = 1, dtype: str = "float32", *,
-                       fp32_params: bool = ENGINE_FP32_PARAMS) -> SnapshotFootprint:
-    """The footprint of `layout` (world = layout.world_size) for this model and dtype."""
+                       fp32_params: bool = ENGINE_FP32_PARAMS,
+                       device: bool = False) -> SnapshotFootprint:
+    """The footprint of `layout` (world = layout.world_size) for this model and dtype;
+    `device`: the ranks' state is in device memory (a staging buffer each)."""
     state = rank_snapshot_bytes(model, layout, dtype, fp32_params=fp32_params)
-    return node_snapshot_footprint(state, gpus_per_node, layout.world_size, memory_every_steps)
+    return node_snapshot_footprint(state, gpus_per_node, layout.world_size, memory_every_steps,
+                                   device)

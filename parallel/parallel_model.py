@@ -1,14 +1,17 @@
 """Apply the parallelisms of a layout to a model, always in one fixed order.
 
 Order: build on meta -> PP split into stage modules -> per stage: TP/SP -> CP -> EP ->
-activation recompute -> FSDP2 (zero 3) -> materialise -> init -> hand-written DP (zero 0-2).
+activation recompute -> compile -> FSDP2 (zero 3) -> materialise -> init -> hand-written DP
+(zero 0-2).
 TP first because CP, EP and FSDP2 all work on the DTensors TP produced or leave them alone;
 FSDP2 last among the wrappers because it shards whatever parameters the others left; recompute
 just before it, so checkpointing runs inside each FSDP unit and wraps whatever attention core
-CP installed. Weights are initialised only after every wrapper is in place: `init_weights`
-fills each shard from (seed, parameter name), so every layout starts from the same model
-without ever holding it whole. The hand-written DP comes last because it takes views of the
-materialised parameters.
+CP installed. Compile (per block, in place: parallel/compile.py) comes after recompute so the
+checkpointing is traced inside each compiled block, and before FSDP2 so FSDP2 wraps the compiled
+block and its hooks stay eager. Weights are initialised only after every wrapper is in place:
+`init_weights` fills each shard from (seed, parameter name), so every layout starts from the
+same model without ever holding it whole. The hand-written DP comes last because it takes views
+of the materialised parameters.
 
 Process groups: data parallelism spans dp*cp ranks (context-parallel ranks hold the same
 weights); experts are sharded over `ep` ranks carved from them and their grads are reduced
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tenax.parallel.compile import apply_compile
 from tenax.parallel.config import ModelArgs, tie_problems
 from tenax.parallel.data_parallel import DataParallel
 from tenax.parallel.fully_sharded import apply_fsdp
@@ -73,6 +77,7 @@ class ParallelModel:
     groups: ParallelGroups
     dps: list[DataParallel] = field(default_factory=list)  # empty for zero 3 (FSDP2)
     recompute: str = "none"  # the resolved activation recompute level (parallel/recompute.py)
+    compiled: int = 0  # transformer blocks compiled on this rank (parallel/compile.py)
 
     @property
     def fsdp(self) -> bool:
@@ -105,7 +110,8 @@ def _build_parts(spec: ModelArgs, layout: ParallelLayout,
 
 
 def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh,
-               groups: ParallelGroups, recompute: str) -> None:
+               groups: ParallelGroups, recompute: str, compile: bool) -> int:
+    """Wrap one part in the fixed order; returns how many blocks were compiled."""
     apply_tp(part, mesh["tp"])
     if layout.cp > 1:
         from tenax.parallel.context_parallel import apply_cp
@@ -116,8 +122,10 @@ def _wrap_part(part: nn.Module, spec: ModelArgs, layout: ParallelLayout, mesh: D
 
         apply_ep(part, groups.ep)
     apply_recompute(part, recompute)
+    compiled = apply_compile(part) if compile else 0
     if layout.zero == 3:
         apply_fsdp(part, groups.dp_cp_mesh)
+    return compiled
 
 
 def _build_dps(pm: ParallelModel) -> list[DataParallel]:
@@ -137,27 +145,30 @@ def _build_dps(pm: ParallelModel) -> list[DataParallel]:
 
 def parallelize(model_spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
                 device: torch.device, dtype: torch.dtype = torch.float32,
-                initialise: bool = True, recompute: str = "none") -> ParallelModel:
+                initialise: bool = True, recompute: str = "none",
+                compile: bool = False) -> ParallelModel:
     """`initialise=False` leaves the parameters' memory as allocated (not initialised): for a
     rank that loads every one of them next (`init_weights` later gives the same values).
-    `recompute`: none, selective or full (resolve "auto" first: `recompute.resolve_recompute`)."""
+    `recompute`: none, selective or full (resolve "auto" first: `recompute.resolve_recompute`).
+    `compile`: torch.compile each dense transformer block (parallel/compile.py)."""
     problems = tie_problems(model_spec, layout.pp, layout.zero)
     if problems:
         raise ValueError("; ".join(problems))
     groups = build_groups(layout, mesh)
     pp_rank = layout.coords(dist.get_rank())["pp"]
     parts, ids = _build_parts(model_spec, layout, pp_rank)
+    compiled = 0
     for part in parts:
-        _wrap_part(part, model_spec, layout, mesh, groups, recompute)
+        compiled += _wrap_part(part, model_spec, layout, mesh, groups, recompute, compile)
         part.to_empty(device=device)
         tie_output(part)  # TP and to_empty replaced the parameters
         if initialise:
             init_weights(part, seed)
         if dtype != torch.float32:
             part.to(dtype=dtype)
-    pm = ParallelModel(parts, ids, layout, mesh, groups, recompute=recompute)
+    pm = ParallelModel(parts, ids, layout, mesh, groups, recompute=recompute, compiled=compiled)
     if layout.zero != 3:
         pm.dps = _build_dps(pm)
-    logger.info("parallelized: %s, stages %s on this rank, recompute=%s", layout.describe(), ids,
-                recompute)
+    logger.info("parallelized: %s, stages %s on this rank, recompute=%s, compiled blocks=%d",
+                layout.describe(), ids, recompute, compiled)
     return pm

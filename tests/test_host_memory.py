@@ -76,6 +76,16 @@ def test_node_footprint(gpn, world, every, ranks, replica, steady, peak):
     assert doc["per_node_peak_bytes"] == peak and doc["summary"]
 
 
+def test_a_device_state_adds_one_pinned_staging_buffer_outside_tmpfs():
+    host = node_snapshot_footprint(10, 2, 4, 1)
+    dev = node_snapshot_footprint(10, 2, 4, 1, device=True)
+    assert (dev.staging_bytes, dev.per_rank_peak_bytes) == (10, 5 * 10)
+    assert dev.per_node_peak_bytes == 2 * 5 * 10 == host.per_node_peak_bytes + 2 * 10
+    assert dev.per_node_tmpfs_bytes == host.per_node_peak_bytes == host.per_node_tmpfs_bytes
+    assert "pinned staging buffer" in dev.what() and "pinned" not in host.what()
+    assert node_snapshot_footprint(10, 2, 4, 0, device=True).per_node_peak_bytes == 0
+
+
 def test_footprint_text_and_errors():
     on = snapshot_footprint(MODEL, ParallelLayout(dp=4), 2, 1)
     assert on.what() == "in-memory snapshots: 2 local buffers + 2 peer replica buffers"
@@ -144,6 +154,19 @@ def test_fit_table(memory, enabled):
     assert plan.every_steps == (1 if enabled else 0)
     if memory in (None, {}):
         assert "unknown" in plan.reason
+
+
+def test_a_cuda_job_plans_the_staging_buffers_in_host_memory_not_tmpfs():
+    cuda = spec_from_dict({"checkpoint": {"memory_every_steps": 1},
+                           "resources": {"gpus_per_node": 2, "device": "cuda"}})
+    state = rank_snapshot_bytes(MODEL, LAYOUT)
+    assert plan_snapshot_memory(cuda, LAYOUT, None).per_node_peak_bytes == 2 * 5 * state
+    # The tmpfs holds the 4 buffers only: room for them is enough
+    assert plan_snapshot_memory(cuda, LAYOUT, None, ("/dev/shm", PEAK)).enabled
+    tight = plan_snapshot_memory(cuda, LAYOUT, None, ("/dev/shm", PEAK - 1))
+    assert not tight.enabled and f"{PEAK} B" in tight.reason and "2 rank(s) x 4 x" in tight.reason
+    small = plan_snapshot_memory(cuda, LAYOUT, {"n": 2 * PEAK})  # fits 4 copies, not 5
+    assert not small.enabled and "2 rank(s) x 5 x" in small.reason
 
 
 def test_single_node_has_no_replica_term():

@@ -38,6 +38,8 @@ ADDED_KEYS[("train", "profile_steps")] = None
 ADDED_KEYS[("resources", "exclude_slow_nodes")] = False
 # GPU memory the controller plans with (docs/architecture.md): None, what Ray names, else 80.
 ADDED_KEYS[("resources", "gpu_mem_gib")] = None
+# torch.compile of the transformer blocks (docs/architecture.md): off by default.
+ADDED_KEYS[("train", "compile")] = False
 # Keys of real-corpus training (docs/data.md): all off/empty by default.
 ADDED_KEYS.update({("data", key): value for key, value in {
     "sources": None, "tokenizer": None, "eos_id": None, "document_mask": False,

@@ -182,6 +182,9 @@ class TrainSpec(StrictSection):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # [FIRST, LAST]: every rank keeps a torch.profiler trace of these steps (workers/profiling.py)
     profile_steps: list[int] | None = Field(None, min_length=2, max_length=2)
+    # torch.compile each transformer block (parallel/compile.py): fuses the norms, rotary and
+    # SwiGLU into a few kernels; the first steps of every (re)start pay the compile time.
+    compile: bool = False
 
     @model_validator(mode="after")
     def _profile_window(self) -> "TrainSpec":

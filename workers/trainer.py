@@ -67,6 +67,17 @@ def lr_at(step: int, spec: JobSpec) -> float:
     return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation flags. On GPUs fused: the whole update (moments, decay, step) is
+    one multi-tensor kernel that reads each tensor once; foreach launched one kernel per
+    elementwise op, each a pass over all the state, and per-tensor launches would dominate a
+    large model's step. On CPU the plain per-tensor loop: grouping buys nothing there, and
+    per-tensor ops keep every layout's arithmetic identical to the single-process run."""
+    if device.type == "cuda":
+        return {"fused": True}
+    return {"foreach": False}
+
+
 def pick_device(spec: JobSpec) -> torch.device:
     want = spec.resources.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -95,7 +106,7 @@ class Trainer:
         self.pm: ParallelModel = parallelize(model_args, layout, self.mesh, spec.train.seed,
                                              self.device,
                                              initialise=initialise and init_from is None,
-                                             recompute=recompute)
+                                             recompute=recompute, compile=spec.train.compile)
         self.parts = self.pm.parts
         self.optimizer = self._build_optimizer(optimizer)
         self.loader = TokenDataLoader.from_job_spec(spec)
@@ -192,12 +203,9 @@ class Trainer:
     def _build_optimizer(self, kind: str) -> torch.optim.Optimizer:
         params, t = self.pm.optimizer_params(), self.spec.train
         if kind == "adamw":
-            # foreach on GPUs (one kernel per op for all tensors; per-tensor launches would
-            # dominate a large model's step); on CPU it buys nothing, and per-tensor ops keep
-            # every layout's arithmetic identical to the single-process run.
             return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=t.weight_decay,
-                                     foreach=self.device.type == "cuda")
+                                     **adamw_impl(self.device))
         if kind == "sgd":  # exact across layouts; used by parity tests on parameters
             return torch.optim.SGD(params, lr=t.lr, foreach=False)
         raise ValueError(f"optimizer: {kind!r} must be 'adamw' or 'sgd'")

@@ -160,10 +160,13 @@ class RawReader(StorageReader):
 
 def _direct_offset(req: ReadItem, loc: ShardLocation, target: torch.Tensor) -> int | None:
     """Where in the file `req`'s bytes start when they are one contiguous range laid out exactly
-    as `target` (whole rows of the stored chunk, same dtype and shape, contiguous destination);
-    None when the piece must be cut from its rows instead."""
+    as `target` (whole rows of the stored chunk, same dtype and shape, contiguous destination
+    in host memory); None when the piece must be cut from its rows instead."""
     shape = tuple(loc.shape)
-    if (not target.is_contiguous() or target.dtype != dtype_from_name(loc.dtype)
+    # Files are read into host memory: a device destination takes its rows through a host
+    # tensor (`_read_rows`, then `_install` copies them over)
+    if (target.device.type != "cpu" or not target.is_contiguous()
+            or target.dtype != dtype_from_name(loc.dtype)
             or tuple(target.shape) != tuple(req.lengths)):
         return None
     if not shape:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tenax.checkpoint.collectives import collective_device
 from tenax.parallel import DataParallel, canonical_param_name, local
 
 
@@ -115,7 +116,9 @@ def agree_on_step(step: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        shared = step.to(collective_device())  # nccl takes no CPU tensor
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        step.copy_(shared)
     return step
 
 
@@ -138,12 +141,21 @@ def apply_optimizer_state(trainer: TrainerLike, loaded: dict[str, torch.Tensor])
         dp = owners.get(p) if trainer.layout.zero in (1, 2) else None
         if dp is None:
             state = {m: loaded[f"{key}.{m}"] for m in MOMENTS}
-            trainer.optimizer.state[p] = {"step": step.clone(), **state}
+            trainer.optimizer.state[p] = {"step": step_for(trainer.optimizer, step, p), **state}
             continue
         shard = dp.shard_of(p)
         if shard is not None:
-            trainer.optimizer.state[shard] = {"step": step.clone(), **{
+            trainer.optimizer.state[shard] = {"step": step_for(trainer.optimizer, step, shard), **{
                 m: dp.chunk_view(p, local(loaded[f"{key}.{m}"])).clone() for m in MOMENTS}}
+
+
+def step_for(optimizer: torch.optim.Optimizer, step: torch.Tensor,
+             param: torch.Tensor) -> torch.Tensor:
+    """The step count as `optimizer` keeps it for `param`: on the parameter's device for a
+    fused or capturable AdamW (its kernels read it there), else a host scalar (the others
+    refuse a device one)."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return step.clone().to(param.device) if on_device else step.clone()
 
 
 def training_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 from tenax.checkpoint.memory import SNAPSHOT_ENV
 from tenax.orchestrator.errors import RayNodesTimeout
 from tenax.orchestrator.placement.nodes_reader import NodesReader
-from tenax.parallel import ParallelLayout, human_bytes, snapshot_footprint
+from tenax.parallel import ParallelLayout, SnapshotFootprint, human_bytes, snapshot_footprint
 from tenax.workers import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,14 @@ def snapshot_tmpfs_room(job_id: str) -> TmpfsRoom | None:
     return where, free + (used_bytes(path) if os.path.isdir(path) else 0)
 
 
+def _need(total: int, per_rank: int, foot: SnapshotFootprint, layout: ParallelLayout) -> str:
+    """'<total> peak per node: <ranks> rank(s) x <copies> x <S> rank state (<layout>)'."""
+    state = foot.rank_state_bytes
+    copies = per_rank // state if state else 0
+    return (f"{human_bytes(total)} ({total} B) peak per node: {foot.ranks_per_node} rank(s) x "
+            f"{copies} x {human_bytes(state)} rank state ({layout.describe()})")
+
+
 def _tmpfs_verdict(every: int, need: str, peak: int, room: TmpfsRoom | None) -> str:
     """The reason the snapshots do not fit the tmpfs; "" when they do or it is unknown."""
     if room is None or peak <= room[1]:
@@ -131,15 +139,18 @@ def plan_snapshot_memory(spec: JobSpec, layout: ParallelLayout,
     if every == 0:
         return SnapshotMemoryPlan(False, 0, 0, f"{FIELD}=0")
     gpn = spec.resources.gpus_per_node
-    foot = snapshot_footprint(spec.model.args(), layout, gpn, every, spec.train.dtype)
+    # A device state adds a pinned staging buffer per rank; "auto" is planned as the host path
+    # (the controller cannot tell the ranks' devices before they start)
+    foot = snapshot_footprint(spec.model.args(), layout, gpn, every, spec.train.dtype,
+                              device=spec.resources.device == "cuda")
     peak, state = foot.per_node_peak_bytes, foot.rank_state_bytes
     if callable(node_memory_bytes):
         node_memory_bytes = node_memory_bytes()
-    copies = foot.per_rank_peak_bytes // state if state else 0
-    need = (f"{human_bytes(peak)} ({peak} B) peak per node: {foot.ranks_per_node} rank(s) x "
-            f"{copies} x {human_bytes(state)} rank state ({layout.describe()})")
-    tmpfs = _tmpfs_verdict(every, need, peak, tmpfs_room() if callable(tmpfs_room)
-                           else tmpfs_room)
+    need = _need(peak, foot.per_rank_peak_bytes, foot, layout)
+    in_tmpfs = foot.per_node_tmpfs_bytes
+    tmpfs = _tmpfs_verdict(every, _need(in_tmpfs, foot.per_rank_peak_bytes - foot.staging_bytes,
+                                        foot, layout),
+                           in_tmpfs, tmpfs_room() if callable(tmpfs_room) else tmpfs_room)
     if tmpfs:
         logger.info("%s", tmpfs)
         return SnapshotMemoryPlan(False, peak, state, tmpfs, every)
