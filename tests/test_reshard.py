@@ -122,3 +122,22 @@ def test_random_layout_pairs(pair: tuple[dict, dict], tmp_path_factory) -> None:
     root = str(tmp_path_factory.mktemp("pair"))
     out = run_chain(list(pair), root, [])
     check_transition(out[0], out[1], reference(False, 2))
+
+
+@pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": False}])
+def test_a_loaded_step_count_sits_where_its_optimizer_keeps_it(impl):
+    """A fused AdamW (the engine's on GPUs) keeps its step count on the parameter's device, the
+    per-tensor loop on the host; what a load installs must step on in either."""
+    from tenax.checkpoint.load.reshard import step_for
+
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1, **impl)
+    step = torch.tensor(5.0)
+    installed = step_for(optimizer, step, param)
+    assert installed is not step and installed.device == param.device
+    optimizer.state[param] = {"step": installed, "exp_avg": torch.zeros(3),
+                              "exp_avg_sq": torch.zeros(3)}
+    param.grad = torch.ones(3)
+    optimizer.step()
+    assert optimizer.state[param]["step"].item() == 6.0 and step.item() == 5.0
+    assert param.detach().lt(1.0).all()  # the update ran from the loaded state
