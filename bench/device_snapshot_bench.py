@@ -88,18 +88,18 @@ class Rig:
         self.mgr = CheckpointManager(checkpoint_config(self.spec), self.trainer, 0, 1,
                                      timeout_s=900)
         self.events: list[dict[str, Any]] = []
-        self.state_bytes = sum(t.numel() * t.element_size() for t in self.planned_tensors())
+        self.state_bytes = sum(t.numel() * t.element_size() for _, t in self.planned().tensors)
         self.snaps = snapshot_home(self.state_bytes)
         self.snap = MemorySnapshotter(self.mgr.config, self.mgr.state, 0, 1, self.snaps,
                                       GENERATION, all_ranks_agree, self.events.append,
                                       plans=self.mgr.plans)
 
-    def planned_tensors(self) -> list[torch.Tensor]:
-        """The live tensors a snapshot of now copies (the cached plan's views)."""
+    def planned(self) -> Any:
+        """What a snapshot of now copies: the file and the cached plan's views of the live
+        tensors at their offsets."""
         from tenax.checkpoint.collectives import all_ranks_agree
 
-        return [t for _, t in self.mgr.plans.plan(self.mgr.state, 0, all_ranks_agree,
-                                                  True).tensors]
+        return self.mgr.plans.plan(self.mgr.state, 0, all_ranks_agree, True)
 
     def step(self) -> float:
         return self.trainer.run_step().loss
@@ -154,15 +154,13 @@ def same_bytes(data: Any, offset: int, tensor: torch.Tensor) -> bool:
 def exact_snapshots(rig: Rig, count: int = 2) -> dict[str, Any]:
     """`count` snapshots, each compared byte for byte with device clones taken at its call
     (the step after it has run, so its optimizer changed the state behind the fence)."""
-    from tenax.checkpoint.collectives import all_ranks_agree
-
     results = []
     for _ in range(count):
         rig.snap.wait()
         rig.step()
         step = rig.trainer.step
         rig.snap.snapshot(step)
-        planned = rig.mgr.plans.plan(rig.mgr.state, 0, all_ranks_agree, True)
+        planned = rig.planned()
         clones = [(off, t.detach().clone()) for off, t in planned.tensors]
         rig.step()  # changes every parameter and moment once the copy let it
         rig.snap.wait()

@@ -95,11 +95,10 @@ class EngineLoop:
         if self.optimizer_kind == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=self.lr)
         else:
-            # The trainer's choice (workers/trainer.adamw_impl, not imported: no pydantic here):
-            # one fused kernel for the whole update on GPUs, the per-tensor loop on CPU.
-            impl = {"fused": True} if self.device.type == "cuda" else {"foreach": False}
+            from tenax.parallel.parallel_model import adamw_impl  # the trainer's choice
+
             self.optimizer = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.95),
-                                               weight_decay=0.1, **impl)
+                                               weight_decay=0.1, **adamw_impl(self.device))
         self.global_batch = self.micro_batch * self.accum * self.dp
         self.global_tokens = self.global_batch * self.model_cfg.seq_len
         self.loss_scale = self.dp / self.global_tokens

@@ -17,7 +17,7 @@ def dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device() -> torch.device:
+def _collective_device() -> torch.device:
     """Where a tiny collective's tensor must live: the current GPU under nccl, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -32,7 +32,7 @@ def agree_taking_max_step(flags: list[bool], step: torch.Tensor) -> list[bool]:
     if not dist_on():
         return list(flags)
     values = [0 if ok else 1 for ok in flags] + [int(step.item())]
-    t = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    t = torch.tensor(values, dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     *worst, largest = (int(v) for v in t.tolist())
     step.fill_(largest)
@@ -43,7 +43,7 @@ def max_across_ranks(value: int) -> int:
     """The largest `value` any rank passed (one tiny all-reduce; `value` alone without a group)."""
     if not dist_on():
         return value
-    device = collective_device()
+    device = _collective_device()
     flag = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
@@ -55,7 +55,7 @@ def same_round(ok: bool, token: int) -> bool:
     a previous process (a rank's part of another round would write or skip the wrong chunks)."""
     if not dist_on():
         return ok
-    device = collective_device()
+    device = _collective_device()
     flags = torch.tensor([0 if ok else 1, token, -token], dtype=torch.int64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     worst, high, low = (int(v) for v in flags.tolist())
@@ -66,7 +66,7 @@ def all_ranks_agree(ok: bool) -> bool:
     """True only if every rank says ok (one tiny all-reduce; `ok` alone without a group)."""
     if not dist_on():
         return ok
-    device = collective_device()
+    device = _collective_device()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

@@ -15,7 +15,8 @@
 - Errors: `PlanError`, `LayoutError` (parallel/errors.py).
 - The model and its parallelisms (torch): `Transformer`, `build_model`, `init_weights`,
   `cross_entropy_sum`, `canonical_param_name`; `parallelize` (applies every parallelism in
-  one fixed order) and the `ParallelModel` it returns; activation recompute (`apply_recompute`,
+  one fixed order), the `ParallelModel` it returns and `adamw_impl` (the optimizer's flags
+  per device); activation recompute (`apply_recompute`,
   `engine_recompute`, `resolve_recompute`, `SavedTensorMeter`); per-block torch.compile
   (`apply_compile`); `DataParallel`;
   `PipelineRunner`; MoE (`MoEFeedForward`, `apply_ep`, `moe_stats`, ...); context
@@ -52,7 +53,8 @@ _MODULES = {
     "model": ("Attention", "Transformer", "build_model", "canonical_param_name",
               "cross_entropy_sum", "init_weights", "param_seed", "rotary_cos_sin",
               "rotary_inv_freq", "tie_output"),
-    "parallel_model": ("ParallelGroups", "ParallelModel", "build_groups", "parallelize"),
+    "parallel_model": ("ParallelGroups", "ParallelModel", "adamw_impl", "build_groups",
+                       "parallelize"),
     "recompute": ("SavedTensorMeter", "apply_recompute", "engine_recompute", "resolve_recompute"),
     "compile": ("apply_compile",),
     "pipeline_parallel": ("PipelineRunner",),

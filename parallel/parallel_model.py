@@ -143,6 +143,17 @@ def _build_dps(pm: ParallelModel) -> list[DataParallel]:
     return dps
 
 
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation flags. On GPUs fused: the whole update (moments, decay, step) is
+    one multi-tensor kernel that reads each tensor once; foreach launched one kernel per
+    elementwise op, each a pass over all the state, and per-tensor launches would dominate a
+    large model's step. On CPU the plain per-tensor loop: grouping buys nothing there, and
+    per-tensor ops keep every layout's arithmetic identical to the single-process run."""
+    if device.type == "cuda":
+        return {"fused": True}
+    return {"foreach": False}
+
+
 def parallelize(model_spec: ModelArgs, layout: ParallelLayout, mesh: DeviceMesh, seed: int,
                 device: torch.device, dtype: torch.dtype = torch.float32,
                 initialise: bool = True, recompute: str = "none",

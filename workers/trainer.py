@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tenax.parallel import (ParallelLayout, ParallelModel, cross_entropy_sum, engine_recompute,
-                            init_weights, local, parallelize)
+from tenax.parallel import (ParallelLayout, ParallelModel, adamw_impl, cross_entropy_sum,
+                            engine_recompute, init_weights, local, parallelize)
 from tenax.workers.chaos_injector import slow_down
 from tenax.workers.data import (IGNORE_INDEX, TokenDataLoader, document_mask, document_positions,
                                 documents_eos_id, mask_eos_targets)
@@ -65,17 +65,6 @@ def lr_at(step: int, spec: JobSpec) -> float:
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def adamw_impl(device: torch.device) -> dict[str, bool]:
-    """AdamW's implementation flags. On GPUs fused: the whole update (moments, decay, step) is
-    one multi-tensor kernel that reads each tensor once; foreach launched one kernel per
-    elementwise op, each a pass over all the state, and per-tensor launches would dominate a
-    large model's step. On CPU the plain per-tensor loop: grouping buys nothing there, and
-    per-tensor ops keep every layout's arithmetic identical to the single-process run."""
-    if device.type == "cuda":
-        return {"fused": True}
-    return {"foreach": False}
 
 
 def pick_device(spec: JobSpec) -> torch.device:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tenax.checkpoint.collectives import collective_device
+from tenax.checkpoint.collectives import max_across_ranks
 from tenax.parallel import DataParallel, canonical_param_name, local
 
 
@@ -113,12 +113,8 @@ def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, t
 def agree_on_step(step: torch.Tensor) -> torch.Tensor:
     # A ZeRO rank whose chunks are all empty has no optimizer state of its own; the step
     # count is global, so every rank takes the largest.
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        shared = step.to(collective_device())  # nccl takes no CPU tensor
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        step.copy_(shared)
+    # max_across_ranks puts the value where the backend takes it (nccl takes no CPU tensor)
+    step.fill_(max_across_ranks(int(step.item())))
     return step
 
 

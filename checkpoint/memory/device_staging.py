@@ -89,6 +89,11 @@ class DeviceStaging:
         if self.event is not None:
             self.event.synchronize()
 
+    @property
+    def active(self) -> bool:
+        """Whether a copy was ever started (the state is in device memory)."""
+        return self.event is not None
+
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 

@@ -99,12 +99,12 @@ class MemorySnapshotter:
         # The double buffer's mappings, kept between snapshots (checkpoint/memory/buffer_maps.py)
         self._maps = BufferMaps(limit=self.store.keep + 1)
         self.staging = DeviceStaging()  # used once a plan holds device tensors
-        self._device = False  # the state is in device memory: snapshots are staged, never waited
 
     def _copy_busy(self) -> bool:
         """Whether a device state's last snapshot is still being copied (then this one is
         skipped instead of waited for: the staging buffer is still being read)."""
-        return self._device and self._finished is not None and not self._finished.is_set()
+        return (self.staging.active and self._finished is not None
+                and not self._finished.is_set())
 
     def snapshot(self, step: int) -> None:
         """Start the snapshot of the current state as `step` (collective: every rank calls it)."""
@@ -129,7 +129,6 @@ class MemorySnapshotter:
                 self._skipped(step, busy, caught_up)
             return
         staged = on_device(planned.tensors)
-        self._device = self._device or staged
         try:
             tensors = self.staging.stage(planned.tensors) if staged else planned.tensors
         except Exception as exc:  # e.g. no pinned memory for the buffer: training goes on
@@ -274,8 +273,7 @@ class MemorySnapshotter:
             self._worker.join(FENCE_TIMEOUT_S)
             self._worker = None
         self._maps.close()
-        if self._device:
-            self.staging.close()
+        self.staging.close()
 
 
 def _write_pieces(maps: BufferMaps, path: str, tensors: list[tuple[int, torch.Tensor]],
