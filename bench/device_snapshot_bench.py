@@ -11,13 +11,17 @@ the state on a side stream into a pinned host buffer, the optimizer's stream wai
 copy, and a snapshot whose predecessor is still being written to tmpfs is skipped
 (checkpoint/memory/device_staging.py). Figures:
 - tokens/s with a snapshot asked for after every step ÷ without, interleaved in blocks of
-  `steps` steps (`reps` blocks each; goal >= 0.97), and how many of the asked-for snapshots
-  were taken (the others were skipped while the host was still writing the last one);
+  `steps` steps (`reps` blocks each; goal >= 0.97), over all steps of a mode and by the
+  median step, the training thread's time inside `snapshot()`, and how many of the asked-for
+  snapshots were taken (the others were skipped while the host was still writing the last
+  one);
 - exact: two snapshots in a row read back from tmpfs, byte for byte, against device clones
   of the planned tensors taken at the snapshot call (a wrong fence would tear them: the next
   step's optimizer would have changed the state under the copy);
 - restore: the same step from the snapshot (assembled the way an agent does, then loaded)
-  ÷ from a storage checkpoint on local disk, its pages in cache (warm) and dropped (cold).
+  ÷ from a storage checkpoint on local disk, its pages in cache (warm) and dropped (cold);
+  each load follows a step that changed the state and must bring back, byte for byte, every
+  parameter, moment and the step count that were saved.
 On CPU (`--quick`) the snapshot path is the host one: the smoke run shows the script works.
 """
 from __future__ import annotations
@@ -111,8 +115,11 @@ class Rig:
 
 
 def timed_blocks(rig: Rig, steps: int, reps: int) -> dict[str, Any]:
-    """Blocks of `steps` steps without and with a snapshot after each, interleaved."""
+    """Blocks of `steps` steps without and with a snapshot after each, interleaved; tokens/s
+    over all blocks of a mode (a taken snapshot's wait at the next optimizer step counts), the
+    median step, and the training thread's time inside `snapshot()`."""
     times: dict[str, list[float]] = {"off": [], "every_step": []}
+    calls: list[float] = []
     taken_before, asked = len([e for e in rig.events if e["event"] == "snapshot"]), 0
     for _ in range(reps):
         for mode in times:
@@ -120,16 +127,21 @@ def timed_blocks(rig: Rig, steps: int, reps: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 rig.step()
                 if mode == "every_step":
+                    t1 = time.perf_counter()
                     rig.snap.snapshot(rig.trainer.step)
+                    calls.append(time.perf_counter() - t1)
                     asked += 1
                 times[mode].append(time.perf_counter() - t0)
             rig.snap.wait()  # the next block starts with no copy in flight
     taken = len([e for e in rig.events if e["event"] == "snapshot"]) - taken_before
     med = {mode: statistics.median(v) for mode, v in times.items()}
-    return {"median_step_s": med, "tokens_per_s_every_step_over_off":
-            med["off"] / med["every_step"], "snapshots_asked": asked,
-            "snapshots_taken": taken, "snapshots_skipped": rig.snap.skipped,
-            "steps_per_block": steps, "reps": reps}
+    total = {mode: sum(v) for mode, v in times.items()}
+    return {"median_step_s": med, "total_s": total,
+            "tokens_per_s_every_step_over_off": total["off"] / total["every_step"],
+            "median_step_off_over_every_step": med["off"] / med["every_step"],
+            "snapshot_call_s": {"median": statistics.median(calls), "max": max(calls)},
+            "snapshots_asked": asked, "snapshots_taken": taken,
+            "snapshots_skipped": rig.snap.skipped, "steps_per_block": steps, "reps": reps}
 
 
 def snapshot_bytes(rig: Rig, step: int) -> tuple[Any, dict[str, Any]]:
@@ -173,8 +185,25 @@ def exact_snapshots(rig: Rig, count: int = 2) -> dict[str, Any]:
             "state_changed_after_each": all(r["state_changed_after"] for r in results)}
 
 
+def state_clones(rig: Rig) -> dict[str, torch.Tensor]:
+    """The whole training state (parameters, moments, step count) by name, copied where it
+    lives."""
+    from tenax.checkpoint.load.reshard import training_state
+
+    return {k: v.detach().clone() for k, v in training_state(rig.trainer).items()}
+
+
+def same_state(rig: Rig, want: dict[str, torch.Tensor]) -> bool:
+    from tenax.checkpoint.load.reshard import training_state
+
+    got = training_state(rig.trainer)
+    return got.keys() == want.keys() and all(torch.equal(got[k].to(want[k].device), want[k])
+                                             for k in want)
+
+
 def restore_times(rig: Rig, work: str, reps: int) -> dict[str, Any]:
-    """One step saved to local disk and snapshotted; loads from each source, interleaved."""
+    """One step saved to local disk and snapshotted; loads from each source, interleaved, each
+    after a step that changed the state and checked against the state that was saved."""
     from bench.restore_bench import drop_page_cache
     from tenax.checkpoint.memory.restore import assemble_version
     from tenax.checkpoint.memory.snapshot_store import SnapshotDir
@@ -186,30 +215,35 @@ def restore_times(rig: Rig, work: str, reps: int) -> dict[str, Any]:
     rig.snap.snapshot(step)
     rig.snap.wait()
     rig.mgr.wait()
+    saved = state_clones(rig)
     times: dict[str, list[float]] = {"memory": [], "disk_warm": [], "disk_cold": []}
+    exact: dict[str, bool] = {}
     store = SnapshotDir(rig.snaps)
     for rep in range(reps):
-        target = os.path.join(rig.snaps, f"assembled-{rep}")
-        t0 = time.perf_counter()
-        stamp, views = store.mapped(GENERATION, 0, step)  # what an agent checks first
-        del views
-        uri = assemble_version(target, [(stamp, os.path.join(store.series(GENERATION, 0),
-                                                             f"s{step}"))])
-        loaded = rig.mgr.load(source_uri=uri)
-        times["memory"].append(time.perf_counter() - t0)
-        shutil.rmtree(target, ignore_errors=True)
-        for mode in ("disk_warm", "disk_cold"):
+        for mode in times:
+            rig.step()  # the load must bring the saved state back
+            target = os.path.join(rig.snaps, f"assembled-{rep}")
             if mode == "disk_cold":
                 drop_page_cache(os.path.join(work, "storage"))
             t0 = time.perf_counter()
-            loaded = rig.mgr.load()
+            if mode == "memory":
+                stamp, views = store.mapped(GENERATION, 0, step)  # what an agent checks first
+                del views
+                uri = assemble_version(target, [(stamp, os.path.join(
+                    store.series(GENERATION, 0), f"s{step}"))])
+                loaded = rig.mgr.load(source_uri=uri)
+            else:
+                loaded = rig.mgr.load()
             times[mode].append(time.perf_counter() - t0)
-        if loaded != step:
-            raise RuntimeError(f"restore: loaded step {loaded}, expected {step}")
+            shutil.rmtree(target, ignore_errors=True)
+            if loaded != step:
+                raise RuntimeError(f"restore from {mode}: loaded step {loaded}, expected {step}")
+            exact[mode] = exact.get(mode, True) and same_state(rig, saved)
+    del saved
     med = {mode: statistics.median(v) for mode, v in times.items()}
     return {"median_s": med, "memory_over_disk_warm": med["memory"] / med["disk_warm"],
             "memory_over_disk_cold": med["memory"] / med["disk_cold"], "reps": reps,
-            "step": step}
+            "step": step, "exact": exact}
 
 
 def run(device: torch.device, size: str, steps: int, reps: int, compile: bool = False,
@@ -278,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                  args.steps, args.reps, args.compile, record)
     print(json.dumps(result, indent=2))
     dist.destroy_process_group()
-    return 0 if result["exactness"]["exact"] else 1
+    restored = all(result["restore"]["exact"].values())
+    return 0 if result["exactness"]["exact"] and restored else 1
 
 
 if __name__ == "__main__":

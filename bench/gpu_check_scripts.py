@@ -74,19 +74,24 @@ def mfu_check(d: Any) -> None:
 
 def snapshot_check(d: Any) -> None:
     """bench/device_snapshot_bench.py: per-step snapshots through the production path (it
-    exits 1, with its figures written, when a snapshot is not the state it was taken from)."""
+    exits 1, with its figures written, when a snapshot is not the state it was taken from or
+    a restore does not bring back the state that was saved)."""
     r = run_script(d, "snapshots", "bench.device_snapshot_bench",
                    ["--device", d.device, "--compile"], exits=(0, 1), timeout_s=420.0)
     if r is None:
         return
-    exact = r["exactness"]["exact"] and r["exactness"]["state_changed_after_each"]
+    exact = r["exactness"]["exact"] and r["exactness"]["state_changed_after_each"] \
+        and all(r["restore"]["exact"].values())
     staged = r["staged_on_device"] or d.device != "cuda"
     ratio = r["tokens_per_s_every_step_over_off"]
     d.figures["checks"]["snapshots"] = {**r, "ok": exact and staged, "goal": SNAPSHOT_GOAL,
                                         "met": ratio >= SNAPSHOT_GOAL}
     med, rest = r["median_step_s"], r["restore"]
     d.log(f"snapshots: {r['state_bytes'] / 1e9:.2f} GB of state in {r['snapshot_dir']}; "
-          f"median step off {med['off']:.3f} s, every step {med['every_step']:.3f} s; "
+          f"median step off {med['off']:.3f} s, every step {med['every_step']:.3f} s "
+          f"(ratio {r['median_step_off_over_every_step']:.3f}); snapshot() on the training "
+          f"thread median {r['snapshot_call_s']['median'] * 1e3:.1f} ms, max "
+          f"{r['snapshot_call_s']['max'] * 1e3:.1f} ms; "
           f"tokens/s ratio {ratio:.3f} (goal {SNAPSHOT_GOAL}); {r['snapshots_taken']} of "
           f"{r['snapshots_asked']} asked taken; staged on device: {r['staged_on_device']}; "
           f"exact: {exact}; restore memory {rest['median_s']['memory']:.2f} s, disk warm "

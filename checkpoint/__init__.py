@@ -6,7 +6,8 @@
 - `CheckpointManager`: one rank's save / load / wait / close; asynchronous two-phase commits,
   reshard on load.
 - Errors: every exception of the layer (checkpoint/errors.py), torch-free to import.
-- `all_ranks_agree` (one tiny all-reduce of a flag), `byte_view` (a tensor's bytes as numpy),
+- `all_ranks_agree` (one tiny all-reduce of a flag), `use_control_group` (the CPU group those
+  go over when the job's group is a device's), `byte_view` (a tensor's bytes as numpy),
   `register` (the `tenax ckpt` commands for the CLI's parser).
 - The headline names of the rooms, also at their own faces: `Catalog`, `CommitInfo`,
   `Manifest`, `Storage`, `spec_hash`, `version_name` (format); `MemorySnapshotter`,
@@ -29,7 +30,7 @@ _MODULES = {
                "MetadataFormatError", "ModelMismatchError", "PlanFormatError", "ShardError",
                "SnapshotError", "StateProviderError", "StorageError", "StorageNotFoundError",
                "StorageTimeoutError", "describe_error"),
-    "collectives": ("all_ranks_agree",),
+    "collectives": ("all_ranks_agree", "use_control_group"),
     "tensor_bytes": ("byte_view",),
     "cli": ("register",),
     "format.catalog": ("Catalog", "spec_hash", "version_name"),

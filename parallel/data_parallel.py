@@ -87,6 +87,9 @@ class DataParallel:
     buckets: list[_Bucket] = field(default_factory=list)
     _last_micro: bool = False
     _shards: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # the same pairs by parameter: a lookup per parameter must not rebuild it (a snapshot's
+    # plan looks up every parameter at every step; rebuilding made that quadratic, ~20 ms)
+    _shard_by_param: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2):
@@ -97,6 +100,7 @@ class DataParallel:
         self._build_buckets()
         if self.zero >= 1:
             self._shards = self._make_shards()
+            self._shard_by_param = dict(self._shards)
 
     # ---- set-up ----------------------------------------------------------------------------
     def _build_buckets(self) -> None:
@@ -146,7 +150,7 @@ class DataParallel:
 
     def shard_of(self, p: nn.Parameter) -> nn.Parameter | None:
         """This rank's optimizer-owned chunk of `p` (None when the chunk is empty)."""
-        return dict(self._shards).get(p)
+        return self._shard_by_param.get(p)
 
     def _chunk_len(self, p: nn.Parameter) -> int:
         return math.ceil(local(p).numel() / self.world)
@@ -277,7 +281,7 @@ class DataParallel:
     def _write_owned_chunks(self, bucket: _Bucket) -> None:
         """zero 1: the reduced chunk goes into this rank's own slice of p.grad (the optimizer's
         shard grad is a view of it), so grads keep ZeRO-1's full size and no second buffer."""
-        by_param = dict(self._shards)
+        by_param = self._shard_by_param
         offset = 0
         for p, chunk in zip(bucket.params, bucket.chunks):
             if p.grad is None:
@@ -293,7 +297,7 @@ class DataParallel:
         if bucket.shard_grad is None:  # no param of the bucket got a grad this step
             bucket.shard_grad = torch.zeros(bucket.chunk_total, dtype=local(bucket.params[0]).dtype,
                                             device=local(bucket.params[0]).device)
-        by_param = dict(self._shards)
+        by_param = self._shard_by_param
         offset = 0
         for p, chunk in zip(bucket.params, bucket.chunks):
             start, end = self._chunk_range(local(p).numel(), chunk)

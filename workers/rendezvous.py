@@ -44,6 +44,8 @@ def join_process_group(rank: int, world: int, addr: str, port: int, timeout_s: f
                        backend: str = "gloo") -> None:
     import torch.distributed as dist
 
+    from tenax.checkpoint import use_control_group
+
     if addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if rank != 0 and not wait_for_store(addr, port, timeout_s):
@@ -51,6 +53,8 @@ def join_process_group(rank: int, world: int, addr: str, port: int, timeout_s: f
                        "anyway (torch reports why)", rank, addr, port, timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
+    if backend != "gloo":  # the checkpoint layer's per-step flags must not wait on the device
+        use_control_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
 
 def leave_process_group(failed: bool = False) -> None:
@@ -59,10 +63,13 @@ def leave_process_group(failed: bool = False) -> None:
     collective timeout, reported as a hang instead of the error)."""
     import torch.distributed as dist
 
+    from tenax.checkpoint import use_control_group
+
     if dist.is_initialized():
         if not failed:
             dist.barrier()  # without it ranks may abort at exit after DTensor collectives
         dist.destroy_process_group()
+    use_control_group(None)
     forget_dtensor_caches()
 
 

@@ -21,6 +21,7 @@ from tenax.checkpoint.errors import MetadataFormatError, ShardError
 from tenax.checkpoint.format.manifest import METADATA_NAME
 from tenax.checkpoint.format.metadata_codec import ShardLocation, decode_metadata, dtype_from_name
 from tenax.checkpoint.format.storage import Storage
+from tenax.checkpoint.load.device_upload import DeviceUpload
 from tenax.checkpoint.load.local_reads import LocalChunkReader
 from tenax.checkpoint.tensor_bytes import byte_view
 
@@ -73,9 +74,13 @@ class RawReader(StorageReader):
                 raise ShardError(f"{req.storage_index.fqn!r}: byte entries are not supported")
             by_chunk.setdefault(req.storage_index, []).append(req)
         if self.storage.is_local:
-            with LocalChunkReader(self.storage, self.version) as files:
-                for index, reqs in by_chunk.items():
-                    self._read_local(planner, files, index, reqs)
+            upload = DeviceUpload()
+            try:
+                with LocalChunkReader(self.storage, self.version) as files:
+                    for index, reqs in by_chunk.items():
+                        self._read_local(planner, files, index, reqs, upload)
+            finally:
+                upload.finish()  # no pinned buffer goes while a copy still reads it
         else:
             self._read_windowed(planner, by_chunk)
         fut: Future[None] = Future()
@@ -96,9 +101,10 @@ class RawReader(StorageReader):
                 self._install(planner, reqs, *fut.result())
 
     def _read_local(self, planner: LoadPlanner, files: LocalChunkReader, index: MetadataIndex,
-                    reqs: list[ReadItem]) -> None:
+                    reqs: list[ReadItem], upload: DeviceUpload) -> None:
         """Pieces that are whole rows of the stored chunk are read straight into their
-        destination; the others are cut from the rows that cover them."""
+        destination (a device's through pinned buffers); the others are cut from the rows that
+        cover them."""
         loc = self._location(index)
         rest = []
         for req in reqs:
@@ -107,8 +113,10 @@ class RawReader(StorageReader):
             if start is None:
                 rest.append(req)
                 continue
-            if target.numel():
+            if target.numel() and target.device.type == "cpu":
                 files.read_into(loc.file, start, byte_view(target))
+            elif target.numel():
+                upload.read_into(files, loc.file, start, target)
             planner.commit_tensor(req, target)
         if rest:
             self._install(planner, rest, *self._read_rows(index, rest, files))
@@ -161,11 +169,9 @@ class RawReader(StorageReader):
 def _direct_offset(req: ReadItem, loc: ShardLocation, target: torch.Tensor) -> int | None:
     """Where in the file `req`'s bytes start when they are one contiguous range laid out exactly
     as `target` (whole rows of the stored chunk, same dtype and shape, contiguous destination
-    in host memory); None when the piece must be cut from its rows instead."""
+    on the host or a CUDA device); None when the piece must be cut from its rows instead."""
     shape = tuple(loc.shape)
-    # Files are read into host memory: a device destination takes its rows through a host
-    # tensor (`_read_rows`, then `_install` copies them over)
-    if (target.device.type != "cpu" or not target.is_contiguous()
+    if (target.device.type not in ("cpu", "cuda") or not target.is_contiguous()
             or target.dtype != dtype_from_name(loc.dtype)
             or tuple(target.shape) != tuple(req.lengths)):
         return None

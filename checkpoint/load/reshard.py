@@ -74,13 +74,16 @@ def param_states(trainer: TrainerLike) -> Iterator[ParamState]:
         yield ParamState(name, f"optim.{canonical_param_name(name)}", p, dp, state)
 
 
-def local_step(states: list[ParamState]) -> torch.Tensor:
-    """This rank's optimizer step count: the last parameter's that has one (0 if none); the
-    callers take the largest over ranks (`agree_on_step`)."""
+def local_step(states: list[ParamState], on_host: bool = True) -> torch.Tensor:
+    """This rank's optimizer step count: the last parameter's that has one (0 if none), a
+    copy of its own; the callers take the largest over ranks (`agree_on_step`). With
+    `on_host` False a device optimizer's count stays on its device (reading it would make the
+    host wait for the optimizer step that counts it)."""
     step = next((s.state["step"] for s in reversed(states) if "step" in s.state), None)
     if step is None:
         return torch.zeros((), dtype=torch.float32)
-    return step.detach().float().cpu().clone()
+    step = step.detach().float()
+    return (step.cpu() if on_host else step).clone()
 
 
 def optimizer_state(trainer: TrainerLike, for_load: bool = False) -> dict[str, torch.Tensor]:

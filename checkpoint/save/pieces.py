@@ -122,8 +122,9 @@ def state_fingerprint(trainer: Any) -> tuple[tuple[Any, ...], torch.Tensor]:
     that replaces one (a load, the optimizer's first step creating its state, another layout)
     changes an address here, and a replaced tensor cannot reappear at its old address while a
     cached plan still holds views of the old one. The step count is the one value a save holds
-    by copy (`optim.step`), picked by the same walk (`reshard.param_states`) a save takes; the
-    caller takes the largest over ranks, as a save does.
+    by copy (`optim.step`), picked by the same walk (`reshard.param_states`) a save takes and
+    left where the optimizer counts it; the caller takes the largest over ranks, as a save
+    does.
     """
     from tenax.checkpoint.load.reshard import MOMENTS, local_step, param_states
 
@@ -131,7 +132,7 @@ def state_fingerprint(trainer: Any) -> tuple[tuple[Any, ...], torch.Tensor]:
     out: list[Any] = [trainer.layout.zero, type(trainer.optimizer).__name__]
     out += [(s.name, _identity(s.param), tuple(_identity(s.state.get(m)) for m in MOMENTS))
             for s in states]
-    return tuple(out), local_step(states)
+    return tuple(out), local_step(states, on_host=False)
 
 
 def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:

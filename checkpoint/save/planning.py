@@ -75,6 +75,10 @@ def plan_save(provider: Any, rank: int, cache: PlanCache | None,
     the step; nothing is enumerated or planned). `ready`: this rank's precondition for saving
     at all (None: none; every rank passes None or every rank a flag); when any rank is not
     ready nothing is planned and the plan is None. It is agreed in the same all-reduce."""
+    if ready is False and hasattr(provider, "save_fingerprint"):
+        # Nothing is planned whatever the others say: the agreement without walking the state
+        agree_taking_max_step([False, False], None)
+        return None, cache
     fingerprint, step = provider.save_fingerprint() if hasattr(provider, "save_fingerprint") \
         else (None, None)
     if fingerprint is None:
