@@ -16,7 +16,7 @@ Checks, most valuable first:
 1. snapshots: `bench/device_snapshot_bench.py` on the ~1.3B-parameter model, its blocks
    compiled: tokens/s with a snapshot asked for after every step ÷ without (goal 0.97), each
    of two snapshots equal to the state it was taken from, and a restore from memory ÷ from
-   local disk.
+   local disk, each load bringing back the saved state byte for byte.
 2. mfu: `bench/mfu_bench.py` on cuda bf16 with the same model, eager and with its blocks
    compiled (`train.compile`), next to the planner (goal 0.40).
 3. parity: the engine on cuda fp32 (world size 1, NCCL; ZeRO 1 compiled, then ZeRO 0/1/2/3

@@ -54,7 +54,13 @@ def join_process_group(rank: int, world: int, addr: str, port: int, timeout_s: f
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     if backend != "gloo":  # the checkpoint layer's per-step flags must not wait on the device
-        use_control_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        try:
+            use_control_group(dist.new_group(backend="gloo",
+                                             timeout=timedelta(seconds=timeout_s)))
+        except Exception as exc:  # an optimisation: the flags then go over the device group
+            logger.warning("rank %d: no gloo group beside %s (%s: %s); the checkpoint layer's "
+                           "agreements go over %s and wait for the device", rank, backend,
+                           type(exc).__name__, exc, backend)
 
 
 def leave_process_group(failed: bool = False) -> None:
