@@ -84,13 +84,9 @@ def agree_taking_max_step(flags: list[bool], step: torch.Tensor | None) -> list[
         return [w == 0 for w in worst]
     worst = _flags_reduced(worst, dist.ReduceOp.MAX)
     device = _collective_device()
-    if step is None:
-        dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX)
-    elif step.device == device:
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
-    else:  # a rank without a device count yet (before the first step)
-        on_device = step.to(device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+    on_device = torch.zeros((), device=device) if step is None else step.to(device)
+    dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+    if step is not None and on_device is not step:  # no device count yet (before step 1)
         step.copy_(on_device)
     return [w == 0 for w in worst]
 

@@ -86,10 +86,9 @@ class DataParallel:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets: list[_Bucket] = field(default_factory=list)
     _last_micro: bool = False
-    _shards: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
-    # the same pairs by parameter: a lookup per parameter must not rebuild it (a snapshot's
-    # plan looks up every parameter at every step; rebuilding made that quadratic, ~20 ms)
-    _shard_by_param: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
+    # param -> its shard, in bucket order; a dict because a snapshot's plan looks up every
+    # parameter at every step (a list rebuilt into a dict per lookup made that quadratic, ~20 ms)
+    _shards: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2):
@@ -100,7 +99,6 @@ class DataParallel:
         self._build_buckets()
         if self.zero >= 1:
             self._shards = self._make_shards()
-            self._shard_by_param = dict(self._shards)
 
     # ---- set-up ----------------------------------------------------------------------------
     def _build_buckets(self) -> None:
@@ -137,20 +135,20 @@ class DataParallel:
         start = min(self.rank * chunk, numel)
         return start, min(start + chunk, numel)
 
-    def _make_shards(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(param, shard) pairs; a shard is a view of this rank's chunk of the param."""
-        pairs = []
+    def _make_shards(self) -> dict[nn.Parameter, nn.Parameter]:
+        """param -> shard; a shard is a view of this rank's chunk of the param."""
+        shards: dict[nn.Parameter, nn.Parameter] = {}
         for bucket in self.buckets:
             for p, chunk in zip(bucket.params, bucket.chunks):
                 flat = local(p).data.view(-1)
                 start, end = self._chunk_range(flat.numel(), chunk)
                 if end > start:
-                    pairs.append((p, nn.Parameter(flat[start:end])))
-        return pairs
+                    shards[p] = nn.Parameter(flat[start:end])
+        return shards
 
     def shard_of(self, p: nn.Parameter) -> nn.Parameter | None:
         """This rank's optimizer-owned chunk of `p` (None when the chunk is empty)."""
-        return self._shard_by_param.get(p)
+        return self._shards.get(p)
 
     def _chunk_len(self, p: nn.Parameter) -> int:
         return math.ceil(local(p).numel() / self.world)
@@ -178,7 +176,7 @@ class DataParallel:
         """What the optimizer should own: full params (zero 0) or this rank's chunks."""
         if self.zero == 0:
             return [p for p in self.params if p.requires_grad]
-        return [shard for _, shard in self._shards]
+        return list(self._shards.values())
 
     # ---- per step --------------------------------------------------------------------------
     def begin_micro_batch(self, last: bool) -> None:
@@ -281,7 +279,7 @@ class DataParallel:
     def _write_owned_chunks(self, bucket: _Bucket) -> None:
         """zero 1: the reduced chunk goes into this rank's own slice of p.grad (the optimizer's
         shard grad is a view of it), so grads keep ZeRO-1's full size and no second buffer."""
-        by_param = self._shard_by_param
+        by_param = self._shards
         offset = 0
         for p, chunk in zip(bucket.params, bucket.chunks):
             if p.grad is None:
@@ -297,7 +295,7 @@ class DataParallel:
         if bucket.shard_grad is None:  # no param of the bucket got a grad this step
             bucket.shard_grad = torch.zeros(bucket.chunk_total, dtype=local(bucket.params[0]).dtype,
                                             device=local(bucket.params[0]).device)
-        by_param = self._shard_by_param
+        by_param = self._shards
         offset = 0
         for p, chunk in zip(bucket.params, bucket.chunks):
             start, end = self._chunk_range(local(p).numel(), chunk)
@@ -332,7 +330,7 @@ class DataParallel:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-        for _, shard in self._shards:
+        for shard in self._shards.values():
             shard.grad = None
         for bucket in self.buckets:
             bucket.shard_grad = bucket.recv = bucket.buffer = bucket.work = None
@@ -351,7 +349,7 @@ class DataParallel:
         zero 1/2: each rank contributes its own (reduced) chunk.
         """
         if self.zero >= 1:
-            return [(p, s.grad) for p, s in self._shards if s.grad is not None]
+            return [(p, s.grad) for p, s in self._shards.items() if s.grad is not None]
         if self.rank != 0:
             return []
         return [(p, local(p.grad)) for p in self.params if p.grad is not None]
