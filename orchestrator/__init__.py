@@ -12,7 +12,8 @@
 - The command line: `main` (`tenax`), `run_job` (`tenax run`).
 - Errors: every exception of this layer (orchestrator/errors.py), importable alone.
 - `loopback_env`: the environment that keeps a local Ray on 127.0.0.1 and starts it without
-  an idle second (before `import ray`).
+  an idle second (before `import ray`); `prompt_node_start`: a node started here is used as
+  soon as its raylet registers.
 
 Rooms, bottom to top: the base modules above, `chaos` (drills), `placement` (worker group,
 placer, capacity, recovery source), `job` (controller, policies, states, health, metrics),
@@ -32,7 +33,7 @@ _MODULES = {
              "spec_from_dict"),
     "presets": ("PRESETS", "preset_model"),
     "timeouts": ("STARTUP_HANG_FACTOR", "Timeouts"),
-    "loopback": ("loopback_env",),
+    "loopback": ("loopback_env", "prompt_node_start"),
     "job.controller": ("Controller",),
     "job.options": ("ControllerOptions",),
     "job.states": ("JobState",),

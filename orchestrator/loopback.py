@@ -12,11 +12,23 @@ asks for a retry every 50 ms with 20 times the attempts, which keeps Ray's 10 s 
 store that is really slow. Every Ray process started from here inherits the setting (a worker
 fetching its config from the raylet retries on the same clock). A user who set either value
 keeps both of theirs.
+
+A node Ray starts in this process (`ray.init` without an address, `Cluster.add_node`) counts
+as started once its raylet is registered with the GCS: Ray asks once, 0.1 s after starting the
+raylet, and then once a whole second (a fixed sleep in Ray's C++ `GetNode`). The raylet
+registers only after its dashboard agent has imported and reported its ports (0.65 s on a
+quiet 2-core host), so the answer came 1.1 s after the raylet started. `prompt_node_start`
+makes that lookup wait for the registration itself, asking the GCS every 20 ms within Ray's
+own 30 s bound, and then ask Ray (which then answers at once). Where Ray's private layout
+differs (another version) or the GCS refuses connections, Ray's own lookup runs as before.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +36,9 @@ CONNECT_RETRY_MS = 50
 CONNECT_ATTEMPTS = 200  # x 50 ms: Ray's default budget of 10 x 1 s
 CONNECT_KEYS = ("RAY_raylet_client_connect_timeout_milliseconds",
                 "RAY_raylet_client_num_connect_attempts")
+REGISTER_POLL_S = 0.02
+REGISTER_WAIT_S = 30.0  # Ray's raylet_start_wait_time_s
+PROMPT_MARK = "tenax_prompt"  # set on the lookup that waits for the registration
 
 
 def loopback_env() -> None:
@@ -41,3 +56,74 @@ def prompt_connect_env() -> None:
         return
     os.environ[CONNECT_KEYS[0]] = str(CONNECT_RETRY_MS)
     os.environ[CONNECT_KEYS[1]] = str(CONNECT_ATTEMPTS)
+
+
+def prompt_node_start() -> None:
+    """Nodes started by this process are used as soon as their raylet registers (see the
+    module's docstring); installed once, after `import ray` is allowed (after `loopback_env`)."""
+    try:
+        import ray._private.services as services
+    except ImportError as err:
+        logger.info("Ray's node lookup is not where Tenax expects it (%s): nodes start at Ray's "
+                    "own pace", err)
+        return
+    original = getattr(services, "get_node", None)
+    if original is None or getattr(original, PROMPT_MARK, False):
+        return
+    services.get_node = registered_lookup(original)
+
+
+def registered_lookup(original: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+    """`original(gcs_address, node_id)`, asked once the node is listed alive by the GCS."""
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        await_registration(gcs_address, node_id)
+        return original(gcs_address, node_id)
+
+    setattr(get_node, PROMPT_MARK, True)
+    return get_node
+
+
+def await_registration(gcs_address: str, node_id: str, wait_s: float = REGISTER_WAIT_S) -> bool:
+    """Whether node `node_id` (hex) was listed alive by the GCS at `gcs_address` within
+    `wait_s`; False at once when the GCS cannot be asked (the caller's own lookup decides).
+    A GCS that accepts connections but never answers holds this as long as Ray's own client
+    waits for it (Ray's lookup, which makes the same connection, would wait as long)."""
+    if not accepts(gcs_address, min(wait_s, 1.0)):  # Ray's client would wait ~40 s for it
+        logger.info("the GCS at %s refuses connections: Ray's own lookup decides", gcs_address)
+        return False
+    try:
+        from ray._raylet import GcsClient, NodeID
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+        from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
+
+        client = GcsClient(address=gcs_address)
+        selectors = [GetAllNodeInfoRequest.NodeSelector(node_id=NodeID.from_hex(node_id).binary())]
+        alive = GcsNodeInfo.GcsNodeState.ALIVE
+    except Exception as err:  # another Ray's layout: its own lookup only
+        logger.info("cannot ask the GCS for node %s (%s: %s): Ray's own lookup decides",
+                    node_id, type(err).__name__, err)
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if client.get_all_node_info(timeout=max(0.1, min(left, 1.0)),
+                                        node_selectors=selectors, state_filter=alive):
+                return True
+        except Exception as err:  # a GCS that does not answer: Ray's lookup reports it
+            logger.debug("asking the GCS for node %s: %s", node_id, err)
+            return False
+        if left <= 0:
+            return False
+        time.sleep(min(REGISTER_POLL_S, left))
+
+
+def accepts(address: str, timeout_s: float) -> bool:
+    """Whether `host:port` accepts a TCP connection within `timeout_s`."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=max(timeout_s, 0.05)):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import yaml
 
+from tenax.orchestrator.loopback import prompt_node_start
 from tenax.orchestrator.spec import JobSpec, SpecError, apply_overrides, spec_from_dict
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def connect_ray(address: str | None, gpus: int | None, cpus: int | None) -> RayL
     try:
         import ray
 
+        prompt_node_start()  # started once its raylet registers, not at Ray's next second
         slots = gpus if gpus is not None else default_gpu_slots()
         link.temp_dir = tempfile.mkdtemp(prefix="tenax-ray-", dir=ray_temp_parent())
         ray.init(num_cpus=cpus or max(os.cpu_count() or 1, slots), num_gpus=slots,

@@ -2,7 +2,8 @@
 `ray.cluster_utils.Cluster` of several raylets (the multi-node case without several hosts).
 
 Everything stays on loopback: `loopback()` must run before the first `import ray` (see
-orchestrator/loopback.py), and every function here calls it first. Each start gets a private
+orchestrator/loopback.py), and every function here calls it first; it also has each node
+used as soon as its raylet registers. Each start gets a private
 temp dir, so concurrent runs on one host never share Ray's sockets or logs.
 """
 from __future__ import annotations
@@ -21,10 +22,11 @@ def loopback() -> None:
     """Loopback-only Ray and gloo. Every endpoint of these clusters is 127.0.0.1, so gloo is
     told to use `lo` whatever the caller's environment names (another interface would make
     the ranks' rendezvous fail)."""
-    from tenax.orchestrator.loopback import loopback_env
+    from tenax.orchestrator.loopback import loopback_env, prompt_node_start
 
     loopback_env()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    prompt_node_start()  # after loopback_env: it imports Ray
 
 
 def start_local_ray(gpus: int, cpus: int = 4) -> str:
