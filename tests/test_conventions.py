@@ -1,6 +1,7 @@
 """Conventions a scan can hold: line, file and function length, where exceptions live, type
 hints on every library function, no reach into another module's private names, one logger per
-module, and that the orchestrator derives its timeouts in one place.
+module, that the orchestrator derives its timeouts in one place, and that the README stays a
+short page for users that speaks of the project only.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from tests.test_imports import LAYERS, PROJECT, REPO, SOURCE_DIRS, python_files
 
 
 MAX_LINE = 100
+MAX_README_LINES = 250
+# How the work was organised (sessions, tickets), which means nothing to a reader of the code.
+PROCESS_WORDS = re.compile(r"\bstops? [0-9]+\b|[Ii]ssue [0-9]+|\bitem [0-9]+")
+TEXT_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".cfg", ".txt", ".proto", ".json")
 
 
 def long_lines(paths: list[Path], root: Path = REPO) -> list[str]:
@@ -287,3 +292,30 @@ def test_each_library_module_logs_through_its_one_logger(tmp_path: Path) -> None
     problems = logger_problems(sorted(tmp_path.glob("*.py")), root=tmp_path)
     assert sorted(p.split(" ", 1)[0] for p in problems) == ["a.py:5", "a.py:6", "b.py:1"], \
         problems
+
+
+def test_the_readme_is_a_short_page_for_users() -> None:
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES, (
+        f"README.md has {len(lines)} lines, more than {MAX_README_LINES}: design goes to docs/, "
+        "measurement history to bench/RESULTS.md")
+
+
+def test_no_file_speaks_of_how_the_work_was_organised() -> None:
+    hits = []
+    for path in REPO.rglob("*"):
+        rel = path.relative_to(REPO)
+        if (path.is_dir() or path.suffix not in TEXT_SUFFIXES or not kept(rel.parts[:-1])):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for i, line in enumerate(text.splitlines(), 1):
+            if PROCESS_WORDS.search(line):
+                hits.append(f"{rel}:{i}: {line.strip()[:80]}")
+    assert not hits, "words about how the work was organised:\n" + "\n".join(hits[:20])
+
+
+def kept(folders: tuple[str, ...]) -> bool:
+    """Folders of the project's own text: not Git's, caches, builds or hidden tool state (the
+    CI script's folder excepted)."""
+    return not any((part.startswith(".") and part != ".ci") or part.endswith(".egg-info")
+                   or part in ("__pycache__", "build", "dist") for part in folders)
