@@ -50,6 +50,24 @@ def test_a_worker_that_dies_fails_the_prepare_instead_of_hanging(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+def test_an_interrupt_while_the_writer_opens_its_file_leaves_no_directory_behind(
+        tmp_path, monkeypatch):
+    """The signal the CLI test sends once the temporary `.bin` exists can land before the
+    writer's constructor has returned, when there is no writer to abort yet."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    opened = LocalFileSystem.open
+
+    def open_then_interrupted(self, path, mode="rb", **kwargs):
+        opened(self, path, mode, **kwargs).close()  # the file exists, as the CLI test sees it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalFileSystem, "open", open_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        IndexedDatasetWriter(str(tmp_path / "new" / "dir" / "ds"), np.uint16)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_the_cli_prepare_leaves_nothing(tmp_path, signum):
     """Ctrl-C, or SIGTERM (kill, a scheduler's limit), while prepare runs: exit 130, no

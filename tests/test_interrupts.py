@@ -59,3 +59,14 @@ def test_a_second_sigterm_while_stopping_is_logged_and_the_old_handler_comes_bac
         time.sleep(0.2)
     assert signal.getsignal(signal.SIGTERM) == before
     assert any("already stopping" in r.getMessage() for r in caplog.records)
+
+
+def test_a_changed_grant_has_the_loop_look_at_capacity_at_once_not_at_its_next_periodic_look(
+) -> None:
+    import time
+
+    controller, _ = _controller()
+    controller.next_capacity_check = time.monotonic() + 3600.0
+    controller.capacity_changed("grown to 2 node(s): a job left")
+    controller._drain_inbox()
+    assert controller.next_capacity_check == 0.0

@@ -126,8 +126,10 @@ def test_submit_then_watch_to_succeeded_and_replay_history(server, clean):
 @pytest.mark.slow
 def test_scale_a_running_job_and_see_the_new_layout(server):
     s = server["stub"]
+    # Long enough that the job is still running when the scheduler's grant reaches it (150
+    # steps of ~15 ms were over on a fast host before the grant was looked at, 2 s later).
     job_id = submit(s, MD, job_overrides(server["tmp"], "scale", [
-        "train.steps=150", "resources.nodes=1", "resources.gpus_per_node=1",
+        "train.steps=300", "resources.nodes=1", "resources.gpus_per_node=1",
         "resources.max_nodes=64"]))
     before = watch(s, MD, job_id, timeout_s=120, until=lambda e: e["kind"] == "step")
     for nodes in (65, 0):

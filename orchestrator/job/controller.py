@@ -42,8 +42,8 @@ from tenax.orchestrator.job.failure_recovery import FailureRecovery
 from tenax.orchestrator.job.goodput import Goodput
 from tenax.orchestrator.job.health import StragglerFlag, StragglerTracker
 from tenax.orchestrator.job.health_evidence import publish_stragglers
-from tenax.orchestrator.job.inbox import (CancelRequest, Inbox, NodeLostReport, PreemptRequest,
-                                          ScaleRequest)
+from tenax.orchestrator.job.inbox import (CancelRequest, CapacityNotice, Inbox, NodeLostReport,
+                                          PreemptRequest, ScaleRequest)
 from tenax.orchestrator.job.job_policy import (JobAction, JobDecision, JobSnapshot, Limits,
                                                decide, restart_or_fail)
 from tenax.orchestrator.job.options import ControllerOptions, Observer, Subscriber
@@ -124,6 +124,11 @@ class Controller:
     def preempt(self, reason: str) -> None:
         """Stop at a checkpoint boundary and end CANCELLED with `preempted: reason`."""
         self.inbox.post(PreemptRequest(reason))
+        self._wake.set()
+
+    def capacity_changed(self, reason: str) -> None:
+        """The grant behind `ControllerOptions.capacity_limit` changed: look at it now."""
+        self.inbox.post(CapacityNotice(reason))
         self._wake.set()
 
     def report_node_lost(self, block: int, reason: str) -> None:
@@ -212,6 +217,10 @@ class Controller:
                 self._target_nodes, self.next_capacity_check = request.nodes, 0.0
             elif isinstance(request, PreemptRequest):
                 self.preempt_reason = request.reason
+            elif isinstance(request, CapacityNotice):
+                logger.info("job %s: capacity changed (%s): looking at it now", self.job_id,
+                            request.reason)
+                self.next_capacity_check = 0.0
             elif isinstance(request, NodeLostReport):
                 self.failures.note_node_lost(request)
 

@@ -41,7 +41,14 @@ class PreemptRequest:
     reason: str
 
 
-Request = Union[CancelRequest, ScaleRequest, NodeLostReport, PreemptRequest]
+@dataclass(frozen=True)
+class CapacityNotice:
+    """The nodes the job may use changed (the service's scheduler grew or shrank its grant): the
+    loop looks at its capacity now instead of at its next periodic look."""
+    reason: str
+
+
+Request = Union[CancelRequest, ScaleRequest, NodeLostReport, PreemptRequest, CapacityNotice]
 
 
 class Inbox:

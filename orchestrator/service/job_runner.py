@@ -63,6 +63,11 @@ class JobRunner:
         self.preflight.stop()
         self.controller.preempt(reason)
 
+    def capacity_changed(self, reason: str) -> None:
+        """The scheduler changed `allotted`: the controller re-plans at once, not at its next
+        periodic look at capacity (2 s)."""
+        self.controller.capacity_changed(reason)
+
     def cancel(self) -> None:
         """Stop the job: its admission preflight, if one runs, and its controller."""
         self.preflight.stop()

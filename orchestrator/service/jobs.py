@@ -288,6 +288,7 @@ class JobManager:
         if refused is not None:  # the job would wait for nodes this cluster does not have
             raise SubmitError(f"scale refused: {refused}", "conflict")
         runner.controller.scale(nodes)  # ValueError outside [min_nodes, max_nodes]
+        self.dispatcher.wake.set()  # the scheduler grants (or takes) the nodes now, not next tick
         try:
             self.store.save_status(job_id, runner.status())  # a restart keeps the target
         except StoreError as err:

@@ -203,6 +203,8 @@ class Dispatcher:
         runner.record(stamp(event))
         if d.action == A.PREEMPT:
             runner.preempt(d.reason)
+        else:  # the controller re-plans at once instead of at its next look at capacity
+            runner.capacity_changed(f"{kind} to {d.nodes} node(s): {d.reason}")
 
     def _autoscale(self, decisions: list[SchedulingDecision]) -> None:
         """Ask for every admitted job's bundles plus the waiting jobs' missing ones."""

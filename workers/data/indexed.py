@@ -242,14 +242,19 @@ class IndexedDatasetWriter:
         self.tmp_bin, self.tmp_idx = f"{self.path}.bin.tmp-{tag}", f"{self.path}.idx.tmp-{tag}"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.made_dirs: list[str] = []  # directories this writer created, deepest first
-        if "file" in protocols:
-            self.made_dirs = missing_dirs(self.fs, posixpath.dirname(self.path))
-            self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
-        self.bin = self.fs.open(self.tmp_bin, "wb")
+        self.bin: Any = None
         self.lengths: list[np.ndarray] = []
         self.num_docs = self.num_tokens = 0
         self.closed = False
         self.stats: dict[str, Any] = {}
+        try:  # an interrupt (Ctrl-C, SIGTERM) landing here has no writer to abort yet
+            if "file" in protocols:
+                self.made_dirs = missing_dirs(self.fs, posixpath.dirname(self.path))
+                self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
+            self.bin = self.fs.open(self.tmp_bin, "wb")
+        except BaseException:
+            self.abort()
+            raise
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
@@ -319,7 +324,8 @@ class IndexedDatasetWriter:
         """Remove whatever this writer wrote; the final names are never touched."""
         self.closed = True
         try:
-            self.bin.close()
+            if self.bin is not None:
+                self.bin.close()
         except Exception:  # closing a broken stream must not hide the original error
             logger.debug("closing %s failed during abort", self.tmp_bin, exc_info=True)
         for path in (self.tmp_bin, self.tmp_idx):
