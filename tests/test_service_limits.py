@@ -279,6 +279,24 @@ def big_versions(root: Path, steps: list[int], ranks: int) -> None:
     (root / version_name(steps[-1] + 1)).mkdir()  # a save that never committed
 
 
+def test_a_manifest_larger_than_a_reply_is_listed_as_a_note_of_its_size(
+        server: dict[str, Any]) -> None:
+    """One version of a 60,000-file job: its manifest alone (~3.9 MB) would pass the reply's
+    limit and gRPC's, so no listing could ever get past it."""
+    root = server["state"] / "ck" / "huge"
+    record = server["store"].add_job("huge-0000", "huge", json.dumps({"name": "huge"}),
+                                     f"file://{root}")
+    big_versions(root, [10], 60_000)
+    reply = server["stub"].ListCheckpoints(pb.ListCheckpointsRequest(job_id=record.job_id),
+                                           timeout=30, metadata=auth("bob-token"))
+    assert reply.ByteSize() <= 3 << 20 and not reply.next_page_token
+    version = reply.versions[0]
+    assert (version.step, version.committed, version.world_size) == (10, True, 60_000)
+    note = json.loads(version.manifest_json)
+    assert note["step"] == 10 and note["omitted_bytes"] > 3 << 20
+    assert "tenax ckpt inspect" in note["omitted"]
+
+
 def test_checkpoint_listings_larger_than_a_reply_come_in_pages(server: dict[str, Any]) -> None:
     """30 versions of a 2,000-rank job's manifests are ~4.5 MB: one reply would pass gRPC's
     4 MiB limit (RESOURCE_EXHAUSTED at the client); pages hold every version once, in order."""

@@ -34,6 +34,7 @@ DEFAULT_KEEP_FINISHED = 1000
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_REPLY_BYTES = 3 << 20  # below gRPC's default 4 MiB receive limit, with room to spare
+MAX_VERSION_BYTES = MAX_REPLY_BYTES - (64 << 10)  # one checkpoint version, room for the rest
 
 
 @dataclass

@@ -6,7 +6,8 @@ cancel/scale of a finished job or a checkpoint URI in use -> FAILED_PRECONDITION
 watchers or queued jobs -> RESOURCE_EXHAUSTED, a priority above the token's maximum ->
 PERMISSION_DENIED, shutting down -> UNAVAILABLE. ListJobs and ListCheckpoints answer in pages
 (orchestrator/service/limits.py), so no listing outgrows one reply: a committed checkpoint
-version carries its manifest, which names every rank's files.
+version carries its manifest, which names every rank's files (one too large for a reply alone
+is replaced by a note of its size: service/wire.py).
 
 Each WatchJob stream holds a worker thread, so watchers are capped (MAX_WATCHERS) below the
 pool size (server.py) and unary calls always find a thread, and one token holds at most
@@ -25,9 +26,10 @@ from tenax.checkpoint import CatalogError, StorageError
 from tenax.orchestrator.errors import RpcAbort, StorageRootError, StoreError, SubmitError
 from tenax.orchestrator.service.auth import TokenAuth, caller_of
 from tenax.orchestrator.service.jobs import JobManager
-from tenax.orchestrator.service.limits import (MAX_JOB_ID, WatcherSlots, decode_page_token,
-                                               decode_step_token, encode_page_token,
-                                               encode_step_token, fill_page, page_size)
+from tenax.orchestrator.service.limits import (MAX_JOB_ID, MAX_VERSION_BYTES, WatcherSlots,
+                                               decode_page_token, decode_step_token,
+                                               encode_page_token, encode_step_token, fill_page,
+                                               page_size)
 from tenax.orchestrator.service.store import JobRecord
 from tenax.orchestrator.service.wire import (event_message, job_message, state_name,
                                              version_message)
@@ -241,7 +243,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         # a page: each committed version carries its manifest, which lists every rank's files
         versions, more = self.manager.checkpoints(record.checkpoint_uri, after,
                                                   page_size(request.page_size, 0))
-        items, cut = fill_page(versions, version_message, lambda m: m.ByteSize())
+        items, cut = fill_page(versions, lambda v: version_message(v, MAX_VERSION_BYTES),
+                               lambda m: m.ByteSize())
         out = pb.ListCheckpointsResponse(uri=record.checkpoint_uri, versions=items)
         if more or cut:
             out.next_page_token = encode_step_token(items[-1].step)

@@ -94,14 +94,25 @@ def _set_queue(msg: pb.Job, spec: dict[str, Any], state: str, status: dict[str, 
         msg.waiting_for = str(status.get("waiting_for") or "")
 
 
-def version_message(version: dict[str, Any]) -> pb.CheckpointVersion:
-    """One checkpoint version (JobManager.checkpoints) as ListCheckpoints sends it."""
+def version_message(version: dict[str, Any], max_bytes: int | None = None) -> pb.CheckpointVersion:
+    """One checkpoint version (JobManager.checkpoints) as ListCheckpoints sends it. A manifest
+    that alone would make the message pass `max_bytes` (a job of tens of thousands of files) is
+    replaced by a note of its size and where to read it, with the step kept: one version must
+    always fit a reply, or the client could never list past it."""
     item = pb.CheckpointVersion(step=version["step"], committed=version["committed"],
                                 size_bytes=version["size_bytes"],
                                 world_size=version.get("world_size", 0),
                                 created_at=version.get("created_at", ""),
                                 manifest_json=version.get("manifest_json", ""))
     set_layout(item.layout, version.get("layout"))
+    if max_bytes is not None and item.ByteSize() > max_bytes:
+        size = len(item.manifest_json)
+        logger.info("checkpoint step %d: manifest of %d bytes left out of the listing (a reply "
+                    "holds %d)", item.step, size, max_bytes)
+        item.manifest_json = json.dumps({
+            "step": item.step, "omitted_bytes": size,
+            "omitted": f"the manifest ({size} bytes) is larger than one reply ({max_bytes} "
+                       f"bytes): read it with `tenax ckpt inspect URI --step {item.step}`"})
     return item
 
 
