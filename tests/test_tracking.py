@@ -404,6 +404,25 @@ def test_tensorboard_dir_may_be_an_fsspec_uri():
     fs.rm("/tenax-tracking-test", recursive=True)
 
 
+def test_the_controllers_run_switched_off_is_told_as_an_event_of_the_job(tmp_path):
+    from tenax.workers.events import human
+    from tenax.workers.tracking import job_events
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    told: list[dict] = []
+    writer = job_events({"logging": {"tensorboard_dir": str(blocker / "tb")}}, told.append)
+    writer.on_event({"event": "recovered", "step": 10, "lost_steps": 2, "seconds": 3.5})
+    assert wait_until(lambda: writer.on_event({"event": "state", "state": "RUNNING"}) or told)
+    writer.on_event({"event": "tracking_off", **told[0]})  # published back: not a loop
+    writer.close()
+    assert len(told) == 1, told
+    off = told[0]
+    assert off["event"] == "tracking_off" and off["backend"] == "tensorboard"
+    assert off["run"] == "job" and off["reason"].startswith("open failed: ")
+    assert "(the job's own run) is off" in human(off)
+
+
 def test_the_controllers_events_form_a_run_that_is_never_purged(tmp_path):
     from tenax.workers.tracking import job_events
 

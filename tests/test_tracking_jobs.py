@@ -190,8 +190,12 @@ def test_tenax_run_again_continues_the_wandb_run_and_says_tracking_is_off(tmp_pa
                        env={"RAY_AUTH_MODE": "disabled"}, timeout_s=400)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         offs = [e for e in read_events(log) if e["event"] == "tracking_off"]
-        assert len(offs) == 1 and offs[0]["backend"] == "tensorboard", offs
-        assert (done.stdout + done.stderr).count("Tracking to tensorboard is off") == 1
+        # once for rank 0's run and once for the controller's own (`job`) run
+        assert sorted(e.get("run", "rank 0") for e in offs) == ["job", "rank 0"], offs
+        assert all(e["backend"] == "tensorboard" for e in offs), offs
+        said = done.stdout + done.stderr
+        assert said.count("Tracking to tensorboard is off") == 1
+        assert said.count("Tracking to tensorboard (the job's own run) is off") == 1
     runs = sorted((wandb_offline / "wandb").glob("offline-run-*"))
     spec = load_spec(overrides=base)
     assert len(runs) == 2 and {wandb_run(r)["id"] for r in runs} == {

@@ -159,8 +159,9 @@ _RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "snapshot": lambda f: (f"Rank {f.get('rank', 0)} kept step {f['step']} in memory "
                            f"({f.get('bytes', 0)} bytes in {f.get('seconds', 0):.3f} s)"),
     "snapshots_off": lambda f: f"In-memory snapshots are off: {f.get('reason', '')}",
-    "tracking_off": lambda f: (f"Tracking to {f.get('backend', 'a backend')} is off from step "
-                               f"{f.get('step', '?')} and training goes on: "
+    "tracking_off": lambda f: (f"Tracking to {f.get('backend', 'a backend')}"
+                               + (" (the job's own run)" if f.get("run") == "job" else "")
+                               + f" is off from step {f.get('step', '?')} and training goes on: "
                                f"{f.get('reason', '')}"),
     "started": lambda f: f"Rank {f.get('rank', 0)} started at step {f['step']}",
     "straggler": lambda f: (f"Rank {f['rank']} is a straggler (score {f['score']:.2f} of the "

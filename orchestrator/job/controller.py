@@ -176,7 +176,8 @@ class Controller:
 
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> JobState:
-        tracking = job_events(self.spec.to_dict())  # logging.tensorboard_dir: the job's own run
+        tracking = job_events(self.spec.to_dict(),  # logging.tensorboard_dir: the job's own run
+                              lambda off: self.publish(off.pop("event"), **off))
         if tracking is not None:
             self.subscribe(tracking.on_event)
         try:

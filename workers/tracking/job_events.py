@@ -13,7 +13,7 @@ nothing here does: the writer is protobuf, crc32c and fsspec.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tenax.workers.tracking.tracker import JOB_FIGURES, OFF, TEXT_TAGS, Tracker
 
@@ -23,13 +23,19 @@ JOB_RUN = "job"
 
 
 class JobEvents:
-    """A controller subscriber (`on_event`) writing the job's own events; `close()` at the end."""
+    """A controller subscriber (`on_event`) writing the job's own events; `close()` at the end.
+    `report` hears, as a `tracking_off` record with `run: "job"`, that this run's writer was
+    switched off (a directory that cannot be written): the user learns it from the job's
+    events, as from rank 0's run, not from the controller's log alone."""
 
-    def __init__(self, tensorboard_dir: str) -> None:
+    def __init__(self, tensorboard_dir: str,
+                 report: Callable[[dict[str, Any]], None] | None = None) -> None:
         from tenax.workers.tracking.tensorboard_writer import TensorBoardWriter
 
         uri = f"{tensorboard_dir.rstrip('/')}/{JOB_RUN}"
         self.tracker = Tracker([TensorBoardWriter(uri, attempt=False)], 0, {})
+        if report is not None:
+            self.tracker.report = lambda notice: report({**notice, "run": JOB_RUN})
         self.restarts, self.lost_steps = 0, 0
 
     def on_event(self, event: Mapping[str, Any]) -> None:
@@ -48,12 +54,14 @@ class JobEvents:
         if figures:
             self.tracker.submit({"event": JOB_FIGURES, "step": event.get("step"),
                                  "time": event.get("time"), **figures})
+        self.tracker.report_off()  # a writer switched off since: told on this thread
 
     def close(self) -> None:
         self.tracker.close()
 
 
-def job_events(spec: Mapping[str, Any]) -> JobEvents | None:
+def job_events(spec: Mapping[str, Any],
+               report: Callable[[dict[str, Any]], None] | None = None) -> JobEvents | None:
     """The controller's writer when the spec asks for TensorBoard, else None."""
     tensorboard_dir = (spec.get("logging") or {}).get("tensorboard_dir")
-    return JobEvents(tensorboard_dir) if tensorboard_dir else None
+    return JobEvents(tensorboard_dir, report) if tensorboard_dir else None
