@@ -31,7 +31,6 @@ listeners (`subscribe`, `add_observer`) or, from a signal handler, `note_interru
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -76,7 +75,7 @@ class Controller:
         self.job_id = options.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
         self.subscribers: list[Subscriber] = [options.on_event] if options.on_event else []
         self.observers: list[Observer] = []  # called after every heartbeat poll (metrics)
-        self.inbox, self._wake = Inbox(), threading.Event()
+        self.inbox = Inbox()
         self.state, self.state_since, self.cause = JobState.PENDING, time.monotonic(), ""
         self.group: WorkerGroup | None = None
         self.layout: ParallelLayout | None = None
@@ -110,7 +109,6 @@ class Controller:
     # ---- requests (any thread) ---------------------------------------------------------------
     def cancel(self) -> None:
         self.inbox.post(CancelRequest())
-        self._wake.set()
 
     def scale(self, nodes: int) -> None:
         """Ask for `nodes` nodes; ValueError (naming the field) outside [min_nodes, max_nodes]."""
@@ -119,17 +117,14 @@ class Controller:
             raise ValueError(f"nodes: {nodes} is outside [min_nodes={r.min_nodes}, "
                              f"max_nodes={r.max_nodes}]")
         self.inbox.post(ScaleRequest(nodes))
-        self._wake.set()
 
     def preempt(self, reason: str) -> None:
         """Stop at a checkpoint boundary and end CANCELLED with `preempted: reason`."""
         self.inbox.post(PreemptRequest(reason))
-        self._wake.set()
 
     def capacity_changed(self, reason: str) -> None:
         """The grant behind `ControllerOptions.capacity_limit` changed: look at it now."""
         self.inbox.post(CapacityNotice(reason))
-        self._wake.set()
 
     def report_node_lost(self, block: int, reason: str) -> None:
         self.inbox.post(NodeLostReport(block, reason))
@@ -277,10 +272,10 @@ class Controller:
         if self.state in (JobState.RUNNING, JobState.RESCALING):
             wait_s = self.timeouts.idle_s
             if self.group is not None:
-                self.group.wait_for_change(wait_s, self._wake)
+                self.group.wait_for_change(wait_s, self.inbox.wake)
             else:
-                self._wake.wait(wait_s)
-            self._wake.clear()
+                self.inbox.wake.wait(wait_s)
+            self.inbox.wake.clear()
 
     # ---- executors ---------------------------------------------------------------------------
     def _execute(self, decision: JobDecision) -> None:

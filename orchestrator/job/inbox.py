@@ -2,8 +2,9 @@
 
 Why an inbox: gRPC handler threads (tenax serve), Ctrl-C, drills and, next, the scheduler all
 want to change a running job, but only the controller's loop may change its state. They post
-a request object here (thread-safe, never blocks on the loop); the loop drains the inbox once
-per iteration and its policies see the requests in the snapshot. New kinds of request (the
+a request object here (thread-safe, never blocks on the loop, and ends the loop's idle wait);
+the loop drains the inbox once per iteration and its policies see the requests in the
+snapshot. New kinds of request (the
 scheduler's shrink/grow/preempt) are new dataclasses, not new locks in the controller.
 """
 from __future__ import annotations
@@ -58,12 +59,14 @@ class Inbox:
         self._lock = threading.Lock()
         self._items: list[Request] = []
         self._scale_target: int | None = None
+        self.wake = threading.Event()  # set by every post: the loop's idle wait ends at once
 
     def post(self, request: Request) -> None:
         with self._lock:
             self._items.append(request)
             if isinstance(request, ScaleRequest):
                 self._scale_target = request.nodes
+        self.wake.set()
         logger.info("inbox: %s posted", request)
 
     def drain(self) -> list[Request]:
