@@ -218,6 +218,7 @@ def restore_times(rig: Rig, work: str, reps: int) -> dict[str, Any]:
     saved = state_clones(rig)
     times: dict[str, list[float]] = {"memory": [], "disk_warm": [], "disk_cold": []}
     exact: dict[str, bool] = {}
+    checked: dict[str, float] = {}
     store = SnapshotDir(rig.snaps)
     for rep in range(reps):
         for mode in times:
@@ -227,14 +228,15 @@ def restore_times(rig: Rig, work: str, reps: int) -> dict[str, Any]:
                 drop_page_cache(os.path.join(work, "storage"))
             t0 = time.perf_counter()
             if mode == "memory":
-                stamp, views = store.mapped(GENERATION, 0, step)  # what an agent checks first
-                del views
+                stamp, _ = store.paths(GENERATION, 0, step)  # what an agent's `locate` checks
                 uri = assemble_version(target, [(stamp, os.path.join(
                     store.series(GENERATION, 0), f"s{step}"))])
                 loaded = rig.mgr.load(source_uri=uri)
             else:
                 loaded = rig.mgr.load()
             times[mode].append(time.perf_counter() - t0)
+            if rep == reps - 1 and mode in ("memory", "disk_warm"):  # what the check costs alone
+                checked[mode] = check_seconds(uri if mode == "memory" else None, rig, step)
             shutil.rmtree(target, ignore_errors=True)
             if loaded != step:
                 raise RuntimeError(f"restore from {mode}: loaded step {loaded}, expected {step}")
@@ -243,11 +245,25 @@ def restore_times(rig: Rig, work: str, reps: int) -> dict[str, Any]:
     med = {mode: statistics.median(v) for mode, v in times.items()}
     return {"median_s": med, "memory_over_disk_warm": med["memory"] / med["disk_warm"],
             "memory_over_disk_cold": med["memory"] / med["disk_cold"], "reps": reps,
-            "step": step, "exact": exact}
+            "step": step, "exact": exact, "check_alone_s": checked}
+
+
+def check_seconds(uri: str | None, rig: Rig, step: int) -> float:
+    """Seconds to re-read and checksum the version of `step` (at `uri`, else checkpoint.uri)."""
+    from tenax.checkpoint.format.catalog import Catalog
+    from tenax.checkpoint.format.storage import Storage
+
+    catalog = rig.mgr.catalog if uri is None else Catalog(Storage(uri, timeout_s=60.0))
+    t0 = time.perf_counter()
+    problems = catalog.verify(step)
+    if problems:
+        raise RuntimeError(f"step {step} does not verify: {problems}")
+    return time.perf_counter() - t0
 
 
 def run(device: torch.device, size: str, steps: int, reps: int, compile: bool = False,
-        record: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+        record: Callable[[dict[str, Any]], None] = lambda _: None,
+        restore_reps: int | None = None) -> dict[str, Any]:
     """Every phase's figures; `record` is given them after each phase (a run cut short by a
     host's time limit still leaves what it reached)."""
     work = tempfile.mkdtemp(prefix="tenax-snapbench-work-")
@@ -269,7 +285,8 @@ def run(device: torch.device, size: str, steps: int, reps: int, compile: bool = 
         record(result)
         result["exactness"] = exact_snapshots(rig)
         record(result)
-        result["restore"] = restore_times(rig, work, 1 if device.type == "cuda" else reps)
+        result["restore"] = restore_times(rig, work, restore_reps or (
+            1 if device.type == "cuda" else reps))
         record(result)
         return result
     finally:
@@ -287,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--quick", action="store_true", help="smoke size, 2 steps, 1 rep")
     parser.add_argument("--compile", action="store_true", help="train.compile: blocks compiled")
+    parser.add_argument("--restore-reps", type=int, default=None,
+                        help="restores from each source (default 1 on cuda, else --reps)")
     args = parser.parse_args(argv)
     quick = {"size": "smoke", "steps": 2, "reps": 1} if args.quick else {"steps": 6, "reps": 2}
     for name, value in quick.items():
@@ -309,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(figures, f, indent=2)
 
     result = run(device, args.size or ("gpu" if device.type == "cuda" else "smoke"),
-                 args.steps, args.reps, args.compile, record)
+                 args.steps, args.reps, args.compile, record, args.restore_reps)
     print(json.dumps(result, indent=2))
     dist.destroy_process_group()
     restored = all(result["restore"]["exact"].values())

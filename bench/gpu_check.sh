@@ -2,6 +2,7 @@
 # Run from the repo root on a lent GPU host (torch + CUDA, pydantic and crc32c; no Ray needed):
 #   OUT=/some/dir bash bench/gpu_check.sh            # figures in $OUT/gpu_check.{log,json}
 #   bash bench/gpu_check.sh --device cpu             # the same checks on CPU (dry run)
+#   bash bench/gpu_check.sh --bench NAME [ARGS...]   # one bench module alone (bench/NAME.py)
 # About 6-8 minutes on one H200 ($GPU_CHECK_BUDGET_S, default 420 s, skips what is left; the
 # whole run is cut at $GPU_CHECK_TIMEOUT_S, default 540 s). Exit code 0 only when every check
 # passed.
@@ -31,5 +32,8 @@ if ! "$PY" -c 'import tenax.workers' 2>/dev/null; then
   cd "$TREE" && export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
   echo "== tenax is not installed: running from $TREE (links into $REPO)" \
     | tee -a "$OUT/gpu_check.log"
+fi
+if [ "${1:-}" = "--bench" ]; then
+  exec timeout "${GPU_CHECK_TIMEOUT_S:-540}" "$PY" -m "bench.$2" "${@:3}"
 fi
 exec timeout "${GPU_CHECK_TIMEOUT_S:-540}" "$PY" -m bench.gpu_check --out "$OUT" "$@"

@@ -8,10 +8,11 @@ copies of step 1 come from the same processes: a dp2 ZeRO-1 trainer takes one st
 `CheckpointManager.save(1)` writes storage and `MemorySnapshotter.snapshot(1)` the per-rank
 snapshot into tmpfs (/dev/shm: what each rank's agent holds). Then, in fresh processes with the
 same layout (and, as a second pair, resharded into tp2), reps alternate the sources:
-- memory: rank 0 verifies every rank's piece where it lies (size + crc32c, what the agents'
-  `locate` does) and assembles them into a committed version under /dev/shm by hard-linking
-  them (checkpoint/memory/restore.py, what the agent of a node holding the pieces does; pieces from
-  another node would be copied), then every rank runs `load(source_uri=<that>)`;
+- memory: rank 0 locates every rank's piece where it lies (sizes, what the agents' `locate`
+  does) and assembles them into a committed version under /dev/shm by hard-linking them
+  (checkpoint/memory/restore.py, what the agent of a node holding the pieces does; pieces from
+  another node would be copied), then every rank runs `load(source_uri=<that>)`, which checks
+  each rank's share of the crc32c while it reads;
 - storage: every rank runs `load()` from checkpoint.uri: a local-disk `file://` directory,
   timed *warm* (its files still in the page cache: the node that wrote it, moments later) and
   *cold* (the files' pages dropped with posix_fadvise DONTNEED first, as a replacement node
@@ -91,8 +92,9 @@ def drop_page_cache(path: str) -> None:
 
 
 def _assemble(snaps: str, world: int, rep: int) -> tuple[str, float]:
-    """Verify every rank's piece where it lies (checksums) and commit them as one version in
-    /dev/shm, linking the pieces: what an agent does for pieces held on its own node."""
+    """Locate every rank's piece where it lies (sizes; the ranks check the checksums while
+    they load) and commit them as one version in /dev/shm, linking the pieces: what an agent
+    does for pieces held on its own node."""
     from tenax.checkpoint.memory.restore import assemble_version
     from tenax.checkpoint.memory.snapshot_store import SnapshotDir, snapshot_root
 
@@ -100,8 +102,7 @@ def _assemble(snaps: str, world: int, rep: int) -> tuple[str, float]:
     pieces = []
     for r in range(world):
         store = SnapshotDir(f"{snaps}/snap-{r}")
-        stamp, views = store.mapped(GENERATION, r, 1)
-        del views
+        stamp, _ = store.paths(GENERATION, r, 1)
         pieces.append((stamp, os.path.join(store.series(GENERATION, r), "s1")))
     target = os.path.join(snapshot_root(), f"bench-restore-{os.getpid()}-{rep}")
     return assemble_version(target, pieces), time.perf_counter() - t0

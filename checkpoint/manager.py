@@ -54,7 +54,8 @@ from tenax.checkpoint.format.catalog import Catalog, version_name
 from tenax.checkpoint.format.manifest import CommitInfo
 from tenax.checkpoint.format.retention_policy import Retention
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.load.loading import check_layout, check_manifest, choose_version, load_into
+from tenax.checkpoint.load.loading import (check_layout, check_manifest, choose_version, load_into,
+                                          load_while_checking, newest_unverified)
 from tenax.checkpoint.save.planning import SavePlans
 from tenax.checkpoint.save.state import (StateProvider, TrainerState, as_state_provider,
                                          describe_error, manifest_fields)
@@ -289,7 +290,9 @@ class CheckpointManager:
 
         Returns its step, or None when nothing is committed. `layout`, if given, must be the
         layout the trainer was built for (a reminder that resharding happens here).
-        `source_uri`: read there instead of checkpoint.uri (an assembled in-memory snapshot).
+        `source_uri`: read there instead of checkpoint.uri (an assembled in-memory snapshot,
+        the only version there: its check runs beside the load, and when it fails the state
+        is partly overwritten and must be loaded again from elsewhere).
         """
         self._check_usable()
         check_layout(layout, self.state.describe().get("parallel", {}))
@@ -297,13 +300,17 @@ class CheckpointManager:
         t0 = time.monotonic()
         catalog = self.catalog if source_uri is None else \
             Catalog(Storage(source_uri, timeout_s=self.timeout_s))
-        manifest = choose_version(catalog, self.rank, self.world)
+        manifest = choose_version(catalog, self.rank, self.world) if source_uri is None else \
+            newest_unverified(catalog, self.rank, self.world)
         if manifest is None:
             return None
         check_manifest(manifest, catalog.storage.url(version_name(manifest.step)), self.model_hash,
                        self.state.describe()["seed"])
         state = self.state.state_for_load()
-        load_into(catalog, manifest, state)
+        if source_uri is None:
+            load_into(catalog, manifest, state)
+        else:
+            load_while_checking(catalog, manifest, state, self.rank, self.world)
         self.state.apply_loaded(state, step=manifest.lr_step, data_cursor=manifest.data_cursor)
         if source_uri is None:  # a snapshot's step may still be missing from storage
             self._protect.add(manifest.step)

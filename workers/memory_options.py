@@ -76,18 +76,33 @@ def snapshotter(spec: Any, mgr: Any, rank: int, world: int,
 
 
 def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str | None]:
-    """Load the assembled snapshot when every rank can read it; storage otherwise."""
-    from tenax.checkpoint import all_ranks_agree
+    """Load the assembled snapshot when every rank can read it; storage otherwise.
+
+    A snapshot is checked while it loads (every rank fails together when any share of it is
+    damaged), so a failed one may have overwritten part of the state: storage must then
+    replace all of it, and with nothing in storage the rank stops rather than train on it."""
+    from tenax.checkpoint import CheckpointError, all_ranks_agree
 
     uri = memory.restore_uri if memory is not None else None
-    if uri is not None:
-        if all_ranks_agree(readable(uri)):
+    failed = False
+    if uri is not None and all_ranks_agree(readable(uri)):
+        try:
             step = mgr.load(source_uri=uri)
+        except CheckpointError as exc:
+            failed = True
+            logger.warning("the in-memory snapshot at %s did not load (%s); resuming from "
+                           "storage", uri, exc)
+        else:
             if step is not None:
                 return step, "memory"
+    elif uri is not None:
         logger.warning("the in-memory snapshot at %s is not readable on every rank; "
                        "resuming from storage", uri)
     step = mgr.load()
+    if step is None and failed:
+        raise CheckpointError(f"the in-memory snapshot at {uri} failed while it was loaded and "
+                              f"storage holds no checkpoint to load instead; not training on "
+                              f"a partly loaded state")
     return step, ("storage" if step is not None else None)
 
 

@@ -5,8 +5,9 @@ The rank's training process writes a snapshot every step into this agent's direc
 new one to its peer (the agent one node further along the ring) and holds the replica the peer
 of the previous node sends here (workers/replica_stream.py: a direct TCP stream between the two
 agents, not Ray's object store). The controller asks every live agent what it holds
-(`inventory`), has the chosen pieces verified where they lie (`locate`, to be linked by an
-agent on the same node) or read (`read`, checksummed), assembled on each new node
+(`inventory`), has the chosen pieces located where they lie (`locate`, to be linked by an
+agent on the same node; the ranks check them as they load) or read (`read`, checksummed),
+assembled on each new node
 (`assemble`), and drops the job's snapshots when the job ends.
 
 Replication never blocks training or the agent: one background thread sends the newest
@@ -309,16 +310,17 @@ class SnapshotKeeper:
         return out
 
     def locate(self, generation: int, rank: int, step: int) -> dict[str, str]:
-        """Where this node keeps its own complete snapshot of `step` (checksums verified), for
-        an agent on this node to link instead of copying. Only `local` snapshots: their writer
+        """Where this node keeps its own complete snapshot of `step` (sizes checked), for an
+        agent on this node to link instead of copying. Only `local` snapshots: their writer
         (this rank's training process of that generation) is gone by now and a generation is
         never written again, so their pages cannot change under a link; a replica can (a
-        peer's late send rewrites its buffer in place)."""
+        peer's late send rewrites its buffer in place). Its checksums are not read here: the
+        ranks check them while they load it (every rank falls back to storage when one share
+        is damaged), so its bytes are read once on the restore's path, not twice."""
         import ray
 
         local = self._dir("local")
-        stamp, views = local.mapped(generation, rank, step)
-        del views
+        stamp, _ = local.paths(generation, rank, step)
         path = os.path.join(local.series(generation, rank), f"s{step}")
         return {"stamp": stamp.to_json(), "path": path,
                 "node": ray.get_runtime_context().get_node_id()}

@@ -19,7 +19,7 @@ from tenax.checkpoint.tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 20  # per buffer: large transfers, and 128 MiB of pinned memory in all
+PIECE_BYTES = 32 << 20  # per buffer: large transfers; 64 MiB of pinned memory per reading thread
 
 
 class DeviceUpload:

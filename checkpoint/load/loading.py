@@ -9,6 +9,7 @@ whatever the checkpoint's size (the collective timeouts do not grow with it).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from tenax.checkpoint.collectives import (all_ranks_agree, dist_on, max_across_r
 from tenax.checkpoint.errors import (CatalogError, CheckpointError, ModelMismatchError, ShardError,
                                      StorageError, describe_error)
 from tenax.checkpoint.format.catalog import Catalog, Manifest, version_name
+from tenax.checkpoint.format.manifest import VersionHealth
 from tenax.checkpoint.format.metadata_codec import FORMAT, LEGACY_FORMAT, legacy_refusal
 from tenax.checkpoint.load.raw_reader import RawReader
 
@@ -67,6 +69,39 @@ def choose_version(catalog: Catalog, rank: int, world: int) -> Manifest | None:
         return _from_rank0(rank, world, lambda: catalog.manifest(step))
     _from_rank0(rank, world, lambda: _none_usable(catalog))
     return None
+
+
+def newest_unverified(catalog: Catalog, rank: int, world: int) -> Manifest | None:
+    """Newest committed manifest that reads, its files not re-read (collective when world > 1):
+    for a version with one candidate whose check runs beside the load (`load_while_checking`)."""
+    return _from_rank0(rank, world, lambda: catalog.latest_committed(verify=False))
+
+
+def load_while_checking(catalog: Catalog, manifest: Manifest, state: Any, rank: int,
+                        world: int) -> None:
+    """`load_into`, while this rank re-reads its share of the version's bytes on another
+    thread; every rank fails when any share is damaged or unreadable.
+
+    Why beside, not before: an assembled in-memory snapshot is the only candidate (its
+    fallback is storage, not an older version), so nothing is chosen by the check and the two
+    passes over the bytes can overlap. A failed check leaves `state` partly overwritten: the
+    caller must load another version into it (or fail), never train on it."""
+    share = (rank, world) if dist_on() and world > 1 else None
+    found: list[VersionHealth] = []
+    checker = threading.Thread(target=lambda: found.append(
+        catalog.check_patiently(manifest.step, share=share)), name="tenax-verify", daemon=True)
+    checker.start()
+    try:
+        load_into(catalog, manifest, state)
+    finally:
+        checker.join()
+    health = found[0] if found else VersionHealth(unreachable=("the check itself failed",))
+    problems = [*health.damaged, *health.unreachable]
+    if all_ranks_agree(not problems):
+        return
+    url = catalog.storage.url(version_name(manifest.step))
+    raise CheckpointError(f"{url} failed its check while it was loaded: "
+                          f"{'; '.join(problems)[:500] or 'on another rank (its log says)'}")
 
 
 def _from_rank0(rank: int, world: int, read: Any) -> Any:

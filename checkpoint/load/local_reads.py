@@ -44,12 +44,16 @@ class LocalChunkReader:
             f.close()
         self.files.clear()
 
+    def open(self, file: str) -> None:
+        """Open `file` now if it is not open yet (threads that share this reader must not)."""
+        if file not in self.files:
+            self.files[file] = self.storage.open_read(f"{self.version}/{file}")
+
     def read_into(self, file: str, offset: int, out: Any) -> None:
         """Fill the writable buffer `out` (e.g. a uint8 numpy view of a tensor) with the bytes
         of `file` from `offset`; StorageError on a short file or a failed read."""
         rel = f"{self.version}/{file}"
-        if file not in self.files:
-            self.files[file] = self.storage.open_read(rel)
+        self.open(file)
         fd, view, done = self.files[file].fileno(), memoryview(out).cast("B"), 0
         while done < len(view):
             try:

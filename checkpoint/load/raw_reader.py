@@ -21,8 +21,8 @@ from tenax.checkpoint.errors import MetadataFormatError, ShardError
 from tenax.checkpoint.format.manifest import METADATA_NAME
 from tenax.checkpoint.format.metadata_codec import ShardLocation, decode_metadata, dtype_from_name
 from tenax.checkpoint.format.storage import Storage
-from tenax.checkpoint.load.device_upload import DeviceUpload
 from tenax.checkpoint.load.local_reads import LocalChunkReader
+from tenax.checkpoint.load.parallel_reads import read_pieces
 from tenax.checkpoint.tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
@@ -74,13 +74,15 @@ class RawReader(StorageReader):
                 raise ShardError(f"{req.storage_index.fqn!r}: byte entries are not supported")
             by_chunk.setdefault(req.storage_index, []).append(req)
         if self.storage.is_local:
-            upload = DeviceUpload()
-            try:
-                with LocalChunkReader(self.storage, self.version) as files:
-                    for index, reqs in by_chunk.items():
-                        self._read_local(planner, files, index, reqs, upload)
-            finally:
-                upload.finish()  # no pinned buffer goes while a copy still reads it
+            with LocalChunkReader(self.storage, self.version) as files:
+                direct: list[tuple[ReadItem, str, int, torch.Tensor]] = []
+                for index, reqs in by_chunk.items():
+                    self._read_local(planner, files, index, reqs, direct)
+                for _, file, _, _ in direct:
+                    files.open(file)  # here, before the reading threads share the reader
+                read_pieces(files, [(file, start, target) for _, file, start, target in direct])
+                for req, _, _, target in direct:
+                    planner.commit_tensor(req, target)
         else:
             self._read_windowed(planner, by_chunk)
         fut: Future[None] = Future()
@@ -101,10 +103,11 @@ class RawReader(StorageReader):
                 self._install(planner, reqs, *fut.result())
 
     def _read_local(self, planner: LoadPlanner, files: LocalChunkReader, index: MetadataIndex,
-                    reqs: list[ReadItem], upload: DeviceUpload) -> None:
-        """Pieces that are whole rows of the stored chunk are read straight into their
-        destination (a device's through pinned buffers); the others are cut from the rows that
-        cover them."""
+                    reqs: list[ReadItem], direct: list[tuple[ReadItem, str, int, torch.Tensor]]
+                    ) -> None:
+        """Pieces that are whole rows of the stored chunk go to `direct`, to be read straight
+        into their destination by parallel threads (parallel_reads.py); the others are cut
+        from the rows that cover them, here."""
         loc = self._location(index)
         rest = []
         for req in reqs:
@@ -112,12 +115,8 @@ class RawReader(StorageReader):
             start = _direct_offset(req, loc, target)
             if start is None:
                 rest.append(req)
-                continue
-            if target.numel() and target.device.type == "cpu":
-                files.read_into(loc.file, start, byte_view(target))
-            elif target.numel():
-                upload.read_into(files, loc.file, start, target)
-            planner.commit_tensor(req, target)
+            else:
+                direct.append((req, loc.file, start, target))
         if rest:
             self._install(planner, rest, *self._read_rows(index, rest, files))
 

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterable
 import numpy as np  # at import, not at the first restore: importing it in an agent takes 0.2 s
 
 from tenax.checkpoint.errors import SnapshotError
-from tenax.checkpoint.memory.buffer_maps import POPULATE, BufferMaps, reserve
+from tenax.checkpoint.format.split_crc import buffer_crc32c
+from tenax.checkpoint.memory.buffer_maps import BufferMaps, reserve
 # The stamp's names stay importable from here (where they were first defined)
 from tenax.checkpoint.memory.snapshot_stamp import SnapshotStamp, crc32c_of
 # The tree's names stay importable from here (where they were first defined)
@@ -258,12 +259,13 @@ class SnapshotDir:
                     if os.fstat(f.fileno()).st_size != size:
                         raise SnapshotError(f"snapshot {path}: {name} is not {size} bytes")
                     views[name] = np.frombuffer(
-                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | POPULATE,
+                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ), dtype=np.uint8) \
                         if size else np.zeros(0, dtype=np.uint8)
             except OSError as exc:
                 raise SnapshotError(f"snapshot {path}: {name}: {exc}") from None
-            if crc32c_of([views[name]]) != stamp.files[name][1]:
+            # the pages fault in on the checksum's threads, in parallel, not here in turn
+            if buffer_crc32c(views[name]) != stamp.files[name][1]:
                 raise SnapshotError(f"snapshot {path}: {name} is torn or damaged "
                                     f"(checksum mismatch)")
         return stamp, views

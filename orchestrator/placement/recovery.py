@@ -3,8 +3,9 @@
 Before a re-placement (the old agents are still there): ask every live agent at once what it
 holds (one short deadline: an agent that does not answer holds nothing usable), read the
 newest committed storage step, let `choose_recovery_source` decide, and when memory wins get
-the chosen pieces ready: a rank's own piece on a node the new placement keeps is verified
-where it lies (its node's assembler will hard-link it: no byte moves or is copied); any other
+the chosen pieces ready: a rank's own piece on a node the new placement keeps is located
+where it lies, its sizes checked (its node's assembler will hard-link it: no byte moves or is
+copied, and the ranks check its checksums while they load it); any other
 piece is read now (checksummed, into Ray's object store), so it survives its holder being
 replaced by the placement. After placement, one agent per node of the new layout assembles
 the pieces into a committed version on its node (checkpoint/memory/restore.py) and the node's ranks
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PreparedRestore:
     """A decision and, when it reads memory, where each rank's piece comes from: `located`
-    (rank -> a snapshot verified in place on a node that keeps its agents, to be linked
+    (rank -> a snapshot located on a node that keeps its agents, to be linked
     there) or `reads` (rank -> the in-flight read of its bytes). `holders` (rank -> agent)
     serve a located piece's bytes to a node that does not hold it."""
     decision: RecoverySource
@@ -58,7 +59,7 @@ class MemoryRecovery:
     def prepare(self, holders: list[tuple[Any, str]], kept_nodes: set[str]) -> PreparedRestore:
         """Inventory every agent (actor, node id), decide, and verify or read the pieces.
 
-        A rank's own (`local`) piece on a node the new placement keeps is only verified where
+        A rank's own (`local`) piece on a node the new placement keeps is only located where
         it lies: that node's assembler links it, so its bytes never travel or get copied. Any
         other piece is read now, while its holder is surely alive (the placement may replace
         it)."""
@@ -89,7 +90,7 @@ class MemoryRecovery:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             return self._fallback(decision, f"verifying a snapshot failed: {type(exc).__name__}: "
                                             f"{str(exc)[:300]}")
-        logger.info("job %s: %d piece(s) verified in place (to link), %d read", self.job_id,
+        logger.info("job %s: %d piece(s) located (to link), %d read", self.job_id,
                     len(prepared.located), len(prepared.reads))
         return prepared
 
