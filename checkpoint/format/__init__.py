@@ -9,6 +9,8 @@
 - `Manifest`, `FileEntry`, `VersionHealth`, `FORMAT_VERSION`, `METADATA_NAME`: the commit
   marker and what re-reading a version found.
 - `Retention`, `retention_plan`: which versions to keep, as a pure decision.
+- `file_crc32c`, `buffer_crc32c`, `crc32c_join`: one file's CRC32C over parallel ranges, joined
+  into the value a single pass gives.
 - The JSON `.metadata` codec (never a pickle): `encode_metadata`, `decode_metadata`,
   `ShardLocation`, `FORMAT`, `LEGACY_FORMAT` (the only module here that imports torch).
 
@@ -25,6 +27,7 @@ _MODULES = {
     "manifest": ("CommitInfo", "FORMAT_VERSION", "FileEntry", "METADATA_NAME", "Manifest",
                  "VersionHealth"),
     "retention_policy": ("Retention", "retention_plan"),
+    "split_crc": ("buffer_crc32c", "crc32c_join", "file_crc32c"),
     "metadata_codec": ("FORMAT", "LEGACY_FORMAT", "ShardLocation", "decode_metadata",
                        "encode_metadata"),
 }

@@ -2,7 +2,8 @@
 
 - `RawReader`: DCP's storage reader over `Storage`; it fetches exactly the byte ranges DCP's
   load plan asks for (the plan does the resharding). `LocalChunkReader` reads those ranges
-  from a local filesystem with pread, straight into the destination.
+  from a local filesystem with pread, straight into the destination; `read_pieces` reads many
+  such ranges on parallel threads.
 - `training_state`, `apply_training_state`: a trainer's state as layout-free tensors keyed by
   canonical names, and back.
 
@@ -15,6 +16,7 @@ from tenax.faces import lazy_face
 _MODULES = {
     "raw_reader": ("RawReader",),
     "local_reads": ("LocalChunkReader",),
+    "parallel_reads": ("read_pieces",),
     "reshard": ("apply_training_state", "training_state"),
 }
 
