@@ -95,6 +95,8 @@ def resume_rank(mgr: Any, memory: MemoryOptions | None) -> tuple[int | None, str
         else:
             if step is not None:
                 return step, "memory"
+            logger.warning("the in-memory snapshot at %s holds no committed version; resuming "
+                           "from storage", uri)
     elif uri is not None:
         logger.warning("the in-memory snapshot at %s is not readable on every rank; "
                        "resuming from storage", uri)
