@@ -123,7 +123,19 @@ def accepts(address: str, timeout_s: float) -> bool:
     """Whether `host:port` accepts a TCP connection within `timeout_s`."""
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=max(timeout_s, 0.05)):
-            return True
-    except (OSError, ValueError):
+        return tcp_probe(host.strip("[]"), int(port), max(timeout_s, 0.05)) == "open"
+    except ValueError:  # not host:port
         return False
+
+
+def tcp_probe(host: str, port: int, timeout_s: float) -> str:
+    """One TCP connection to `host:port`: "open" when it was accepted within `timeout_s`,
+    "refused" when the host refused it (nothing listens there: the process is gone), "silent"
+    otherwise (a timeout or an unreachable host proves neither)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
+    return "open"

@@ -9,7 +9,6 @@ or the node is treated as lost.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import ray
 
+from tenax.orchestrator.loopback import tcp_probe
 from tenax.orchestrator.placement.nodes_reader import NODES_TIMEOUT_S, NodesReader
 from tenax.parallel import DetectedGpus, gpus_from_ray_resources
 
@@ -75,16 +75,6 @@ def cluster_gpus(gpus_per_node: int) -> DetectedGpus | None:
         return None
 
 
-def _refused(addr: str, port: int) -> bool:
-    try:
-        socket.create_connection((addr, port), timeout=RAYLET_CONNECT_S).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:  # a timeout proves nothing (a frozen or unreachable host)
-        return False
-    return False
-
-
 def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
     """Nodes whose raylet port refuses a TCP connection: the process is gone. A crashed
     node's kernel answers with a reset at once, while Ray takes ~14 s to declare it dead."""
@@ -99,7 +89,8 @@ def raylets_down(node_ids: tuple[str, ...]) -> set[str]:
     if not where:
         return gone
     with ThreadPoolExecutor(max_workers=min(16, len(where))) as pool:
-        refused = list(pool.map(lambda a: _refused(*a), where.values()))
+        refused = list(pool.map(lambda a: tcp_probe(*a, RAYLET_CONNECT_S) == "refused",
+                                where.values()))
     return gone | {node for node, down in zip(where, refused) if down}
 
 
