@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["crc32c_join", "file_crc32c", "buffer_crc32c", "checksum_threads"]
+__all__ = ["crc32c_join", "file_crc32c", "buffer_crc32c", "io_threads"]
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected: bit 31 is the x^0 coefficient
 _ONE = 1 << 31  # the polynomial 1 in that representation
@@ -29,7 +29,7 @@ MIN_RANGE_BYTES = 64 << 20  # a thread's range is at least this (smaller files: 
 MAX_THREADS = 8  # past this the memory bus, not the cores, sets the pace
 
 
-def checksum_threads() -> int:
+def io_threads() -> int:
     """Threads a local checksum or read may use: the cores this process may run on, at most
     MAX_THREADS."""
     try:
@@ -86,22 +86,23 @@ def buffer_crc32c(view: Any, threads: int | None = None) -> int:
     import crc32c
 
     data = memoryview(view).cast("B")
-    spans = _ranges(len(data), threads or checksum_threads())
-    if len(spans) == 1:
-        return crc32c.crc32c(data)
-    with ThreadPoolExecutor(len(spans), thread_name_prefix="tenax-crc") as pool:
-        crcs = list(pool.map(lambda span: crc32c.crc32c(data[span[0]:span[1]]), spans))
-    return _join_all([(crc, hi - lo) for crc, (lo, hi) in zip(crcs, spans)])
+    return _over_ranges(len(data), threads, lambda lo, hi: crc32c.crc32c(data[lo:hi]))
 
 
 def file_crc32c(fd: int, size: int, threads: int | None = None) -> int:
     """CRC32C of the first `size` bytes of the open file `fd`, its ranges read with pread by
     parallel threads; OSError when the file is shorter than `size` (it changed under us)."""
-    spans = _ranges(size, threads or checksum_threads())
+    return _over_ranges(size, threads, lambda lo, hi: _range_crc(fd, lo, hi))
+
+
+def _over_ranges(size: int, threads: int | None, crc_of: Callable[[int, int], int]) -> int:
+    """The CRC of [0, size) from `crc_of(lo, hi)` of consecutive ranges, run on parallel
+    threads when there are several."""
+    spans = _ranges(size, threads or io_threads())
     if len(spans) == 1:
-        return _range_crc(fd, 0, size)
+        return crc_of(0, size)
     with ThreadPoolExecutor(len(spans), thread_name_prefix="tenax-crc") as pool:
-        crcs = list(pool.map(lambda span: _range_crc(fd, *span), spans))
+        crcs = list(pool.map(lambda span: crc_of(*span), spans))
     return _join_all([(crc, hi - lo) for crc, (lo, hi) in zip(crcs, spans)])
 
 

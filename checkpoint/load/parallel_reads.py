@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tenax.checkpoint.format.split_crc import checksum_threads
+from tenax.checkpoint.format.split_crc import io_threads
 from tenax.checkpoint.load.device_upload import DeviceUpload
 from tenax.checkpoint.tensor_bytes import byte_view
 
@@ -34,7 +34,7 @@ def read_pieces(files: Any, pieces: list[Piece], threads: int | None = None) -> 
         flat = target.reshape(-1).view(torch.uint8)
         for lo in range(0, flat.numel(), PIECE_BYTES):
             jobs.append((file, offset + lo, flat[lo:lo + PIECE_BYTES]))
-    lanes = _deal(jobs, threads or checksum_threads())
+    lanes = _deal(jobs, threads or io_threads())
     if len(lanes) <= 1:
         _read_lane(files, jobs)
         return
