@@ -21,12 +21,23 @@ quiet 2-core host), so the answer came 1.1 s after the raylet started. `prompt_n
 makes that lookup wait for the registration itself, asking the GCS every 20 ms within Ray's
 own 30 s bound, and then ask Ray (which then answers at once). Where Ray's private layout
 differs (another version) or the GCS refuses connections, Ray's own lookup runs as before.
+
+A head node also starts Ray's API server (a dashboard process, started even with
+`include_dashboard=False` for Ray's usage statistics), and Ray waits until it has published its
+address before it starts the raylet: two Python processes importing one after the other (a
+plain `ray.init` 2.0 s, 1.0 s of it this wait). Nothing of the raylet depends on the API server
+(a worker's dashboard address is built from its own arguments), so `prompt_node_start` starts
+it on a thread and the lookup above waits for it together with the raylet's registration:
+the node is reported started only once both are up, as before. Ray's order is kept where the
+user asked for the dashboard (its failure then fails the start) and where Ray's resource
+isolation needs the API server's processes before the raylet starts.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,6 +50,8 @@ CONNECT_KEYS = ("RAY_raylet_client_connect_timeout_milliseconds",
 REGISTER_POLL_S = 0.02
 REGISTER_WAIT_S = 30.0  # Ray's raylet_start_wait_time_s
 PROMPT_MARK = "tenax_prompt"  # set on the lookup that waits for the registration
+API_SERVER_JOIN_S = 90.0  # beyond Ray's own bound on the API server's start (60 s by default)
+API_SERVERS: dict[str, "ApiServerStart"] = {}  # node id (hex) -> its API server's start
 
 
 def loopback_env() -> None:
@@ -71,13 +84,18 @@ def prompt_node_start() -> None:
     if original is None or getattr(original, PROMPT_MARK, False):
         return
     services.get_node = registered_lookup(original)
+    api_server_beside_raylet()
 
 
 def registered_lookup(original: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-    """`original(gcs_address, node_id)`, asked once the node is listed alive by the GCS."""
+    """`original(gcs_address, node_id)`, asked once the node is listed alive by the GCS and
+    its API server, if one starts beside its raylet, is up."""
 
     def get_node(gcs_address: str, node_id: str) -> Any:
         await_registration(gcs_address, node_id)
+        started = API_SERVERS.pop(node_id, None)
+        if started is not None:
+            started.join()
         return original(gcs_address, node_id)
 
     setattr(get_node, PROMPT_MARK, True)
@@ -117,6 +135,89 @@ def await_registration(gcs_address: str, node_id: str, wait_s: float = REGISTER_
         if left <= 0:
             return False
         time.sleep(min(REGISTER_POLL_S, left))
+
+
+class NodeView:
+    """What Ray's `Node.start_api_server` sees of its node on the thread: the node for reading,
+    its own record of processes and of what it assigns. Only the waiting thread hands them to
+    the node, so the node's own thread never iterates a dict another thread changes."""
+
+    def __init__(self, node: Any) -> None:
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "all_processes", {})
+        object.__setattr__(self, "assigned", {})
+
+    def __getattr__(self, name: str) -> Any:
+        assigned = self.assigned
+        return assigned[name] if name in assigned else getattr(self.node, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.assigned[name] = value
+
+    def hand_over(self) -> None:
+        self.node.all_processes.update(self.all_processes)
+        for name, value in self.assigned.items():
+            setattr(self.node, name, value)
+
+
+class ApiServerStart:
+    """Ray's `Node.start_api_server` run on a thread; `join` waits for it, hands its processes
+    to the node and raises what it raised, as the call would have."""
+
+    def __init__(self, start: Callable[..., Any], node: Any, kwargs: dict[str, Any]) -> None:
+        self.view = NodeView(node)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(start, kwargs),
+                                       name="tenax-ray-api-server", daemon=True)
+        self.thread.start()
+
+    def _run(self, start: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        try:
+            start(self.view, **kwargs)
+        except BaseException as err:  # handed to the thread that waits for the node
+            self.error = err
+
+    def join(self) -> None:
+        self.thread.join(API_SERVER_JOIN_S)
+        if self.thread.is_alive():
+            logger.warning("Ray's API server has not started within %.0f s; the node is used "
+                           "without waiting for it", API_SERVER_JOIN_S)
+            return
+        self.view.hand_over()
+        if self.error is not None:
+            raise self.error
+
+
+def api_server_beside_raylet() -> None:
+    """A head node started by this process starts its API server beside its raylet (see the
+    module's docstring); Ray's own order where its layout differs."""
+    try:
+        from ray._private.node import Node
+    except ImportError as err:
+        logger.info("Ray's node is not where Tenax expects it (%s): its API server starts at "
+                    "Ray's own pace", err)
+        return
+    original = getattr(Node, "start_api_server", None)
+    if original is None or getattr(original, PROMPT_MARK, False):
+        return
+    Node.start_api_server = beside_raylet(original)
+
+
+def beside_raylet(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Node.start_api_server` that returns at once and leaves the wait to the node lookup,
+    unless the dashboard was asked for or resource isolation is on (Ray's order then)."""
+
+    def start_api_server(node: Any, **kwargs: Any) -> Any:
+        isolation = getattr(node, "resource_isolation_config", None)
+        node_id = getattr(node, "node_id", None)
+        if kwargs.get("include_dashboard") is True or not isinstance(node_id, str) or \
+                isolation is None or isolation.is_enabled():
+            return original(node, **kwargs)
+        API_SERVERS[node_id] = ApiServerStart(original, node, kwargs)
+        return None
+
+    setattr(start_api_server, PROMPT_MARK, True)
+    return start_api_server
 
 
 def accepts(address: str, timeout_s: float) -> bool:

@@ -308,9 +308,10 @@ def _training_parents(job: JobRun, seen: dict) -> bool:
     return True
 
 
-def test_the_zygote_adopts_the_forkserver_its_launcher_started_on_its_node(tmp_path, clean):
+def test_the_agents_on_the_launchers_node_fork_from_its_forkserver_with_no_zygote(
+        tmp_path, clean):
     """`tenax run` with an embedded Ray starts the node's forkserver before Ray, so the imports
-    overlap Ray's start; the zygote on that node serves it instead of starting its own."""
+    overlap Ray's start; the agents on that node fork from it, and no zygote starts there."""
     from dataclasses import asdict
 
     import ray
@@ -326,12 +327,53 @@ def test_the_zygote_adopts_the_forkserver_its_launcher_started_on_its_node(tmp_p
         job = JobRun(spec, forkserver=adopt).start()
         seen: dict = {}
         job.wait_for(lambda: _training_parents(job, seen), 300, "the ranks forked")
+        zygotes = [b["zygote"] for b in job.controller.group.blocks]
         job.finish(300)
     finally:
         server.close()
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
     assert seen["parents"] == {server.endpoint.pid}
+    assert zygotes == [None]
     assert_same_losses(job.losses(), clean.losses())
+
+
+def test_a_killed_launcher_forkserver_leaves_the_agents_forking_their_own_from_memory(tmp_path):
+    """The agents on the launcher's node fork from its forkserver. Killed, it takes the ranks
+    with it; with no zygote there to start another, each agent — untouched, snapshots and all
+    — starts a forkserver of its own (one import each) and its rank resumes from memory."""
+    import os
+    import signal
+    from dataclasses import asdict
+
+    import psutil
+    import ray
+
+    from tenax.workers import PRELOAD, NodeForkServer
+
+    server = NodeForkServer(PRELOAD)
+    try:
+        adopt = {"node_id": ray.get_runtime_context().get_node_id(),
+                 "endpoint": asdict(server.endpoint)}
+        spec = make_spec(tmp_path, ["train.steps=120", "resources.nodes=1",
+                                    "resources.gpus_per_node=2"])
+        job = JobRun(spec, forkserver=adopt).start()
+        job.wait_for(lambda: job.controller.step >= 5, 300, "step 5")
+        agents = {h.pid for h in job.controller.group.ranks}
+        os.kill(server.endpoint.pid, signal.SIGKILL)
+        seen: dict = {}
+        job.wait_for(lambda: bool(job.of("recovered")) and _training_parents(job, seen), 300,
+                     "the ranks forked again")
+        job.finish(300)
+    finally:
+        server.close()
+    assert job.controller.state.value == "SUCCEEDED", job.controller.cause
+    recovered = job.of("recovered")[0]
+    assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1, recovered
+    failure = job.of("failure")[0]
+    assert f"forkserver it was forked from (pid {server.endpoint.pid}) died" in failure["cause"]
+    assert seen["agents"] == agents
+    assert {psutil.Process(p).ppid() for p in seen["parents"]} == agents  # the agents' own
+    assert_same_losses(job.losses(), reference_losses(spec))
 
 
 def test_a_crashed_zygote_is_replaced_and_the_ranks_resume_from_memory(tmp_path):

@@ -49,6 +49,13 @@ def test_a_started_node_is_looked_up_once_its_raylet_is_listed_and_an_unknown_on
         assert loopback.await_registration(gcs, node, wait_s=5.0)
         assert not loopback.await_registration(gcs, "ab" * 28, wait_s=0.2)
         assert services.get_node(gcs, node)["node_id"] == node  # Ray's answer, passed through
+        # The API server started beside the raylet, and was handed to the node once up: Ray
+        # stops it with the node.
+        from ray._private.node import Node
+
+        assert getattr(Node.start_api_server, loopback.PROMPT_MARK, False)
+        head = ray._private.worker._global_node
+        assert "dashboard" in head.all_processes and not loopback.API_SERVERS
 
 
 def test_the_lookup_is_wrapped_once_and_asks_ray_only_after_the_registration_wait(
@@ -69,3 +76,66 @@ def test_the_lookup_is_wrapped_once_and_asks_ray_only_after_the_registration_wai
 
 def test_an_unreachable_gcs_leaves_the_decision_to_rays_own_lookup() -> None:
     assert not loopback.await_registration("127.0.0.1:1", "ab" * 28, wait_s=0.3)
+
+
+class FakeNode:
+    """What Ray's `Node.start_api_server` reads and writes of its node."""
+
+    def __init__(self, isolated: bool = False) -> None:
+        self.node_id = "ab" * 28
+        self.all_processes: dict[str, list] = {"gcs_server": ["gcs"]}
+        self._webui_url = None
+        self.resource_isolation_config = type("Isolation", (), {
+            "is_enabled": lambda _self: isolated})()
+
+
+def fake_start(node: object, *, include_dashboard: bool | None, raise_on_failure: bool,
+               fail: bool = False, release: object = None) -> None:
+    if release is not None:
+        release.wait(10)
+    node._webui_url = "127.0.0.1:8265"
+    assert node._webui_url == "127.0.0.1:8265"  # Ray reads back what it assigned
+    if fail:
+        raise ValueError("port 8265 is taken")
+    node.all_processes["dashboard"] = ["api"]
+
+
+def test_the_api_server_starts_beside_the_raylet_and_is_handed_to_the_node_at_the_lookup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(loopback, "await_registration", lambda gcs, node, wait_s=0.0: True)
+    lookup = loopback.registered_lookup(lambda gcs, node: {"n": node})
+    start = loopback.beside_raylet(
+        lambda node, **kw: fake_start(node, release=release, **kw))
+    node = FakeNode()
+    assert start(node, include_dashboard=False, raise_on_failure=False) is None  # at once
+    assert node.all_processes == {"gcs_server": ["gcs"]}  # untouched while the raylet starts
+    assert node._webui_url is None
+    release.set()
+    assert lookup("127.0.0.1:1", node.node_id) == {"n": node.node_id}
+    assert node.all_processes == {"gcs_server": ["gcs"], "dashboard": ["api"]}
+    assert node._webui_url == "127.0.0.1:8265"
+    assert node.node_id not in loopback.API_SERVERS
+
+
+def test_a_failed_api_server_start_fails_the_node_lookup_as_it_would_have_failed_the_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loopback, "await_registration", lambda gcs, node, wait_s=0.0: True)
+    lookup = loopback.registered_lookup(lambda gcs, node: {"n": node})
+    start = loopback.beside_raylet(lambda node, **kw: fake_start(node, fail=True, **kw))
+    node = FakeNode()
+    start(node, include_dashboard=None, raise_on_failure=False)
+    with pytest.raises(ValueError, match="port 8265 is taken"):
+        lookup("127.0.0.1:1", node.node_id)
+
+
+@pytest.mark.parametrize("dashboard,isolated", [(True, False), (None, True)])
+def test_a_requested_dashboard_or_resource_isolation_keeps_rays_order(
+        dashboard: bool | None, isolated: bool) -> None:
+    start = loopback.beside_raylet(lambda node, **kw: fake_start(node, **kw))
+    node = FakeNode(isolated=isolated)
+    start(node, include_dashboard=dashboard, raise_on_failure=bool(dashboard))
+    assert node.all_processes["dashboard"] == ["api"]  # started before returning
+    assert node.node_id not in loopback.API_SERVERS

@@ -141,9 +141,10 @@ class RankWorker:
     """Ray actor body (made remote in `tenax.orchestrator.placement.worker_group` with its
     slot's resources)."""
 
-    def __init__(self, zygote: Any = None) -> None:
-        """`zygote`: the node block's `Zygote` actor its training processes fork from (None:
-        a forkserver of this agent's own)."""
+    def __init__(self, zygote: Any = None, adopt: dict[str, Any] | None = None) -> None:
+        """`zygote`: the node block's `Zygote` actor its training processes fork from; `adopt`:
+        instead, the launcher's forkserver on this node ({"node_id", "endpoint"}); neither: a
+        forkserver of this agent's own."""
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # notified when a training process ends
         self._ended_attempt = 0  # the newest attempt whose training process has ended
@@ -160,7 +161,7 @@ class RankWorker:
         # collection walks all of it whenever one falls due, a recovery's verification or
         # assembly included. Frozen, it is skipped.
         gc.freeze()
-        self._forks = ForkSource(zygote)
+        self._forks = ForkSource(zygote, adopt=adopt)
 
     def forkserver_ready(self, timeout_s: float) -> float:
         """Wall time the forkserver this agent forks from was ready (waits up to `timeout_s`;

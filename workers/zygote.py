@@ -176,17 +176,24 @@ def _on_node(node_id: str) -> bool:
 
 # ---- the agent's side: where its training processes fork from --------------------------------
 class ForkSource:
-    """An agent's source of training processes: its node block's zygote, or, without one (or
-    when it does not answer), a forkserver of the agent's own (the imports paid once more)."""
+    """An agent's source of training processes: its node block's zygote, or the launcher's
+    forkserver on the launcher's node, or, without either (or when it does not answer), a
+    forkserver of the agent's own (the imports paid once more)."""
 
-    def __init__(self, zygote: Any = None, timeout_s: float = 300.0) -> None:
+    def __init__(self, zygote: Any = None, timeout_s: float = 300.0,
+                 adopt: dict[str, Any] | None = None) -> None:
+        """`adopt`: the launcher's forkserver ({"node_id", "endpoint"}), which an agent on its
+        node forks from directly; the block then has no zygote (`zygote` None)."""
         self._zygote, self._timeout_s = zygote, timeout_s
         self._lock = threading.Lock()
         self._endpoint: Endpoint | None = None
         self._own: Any = None  # the agent's own forkserver context, once it needs one
         self._own_ready = threading.Event()
         self._own_at = 0.0
-        if zygote is None:
+        self._adopt_lock = threading.Lock()
+        self._adopt = Endpoint(**adopt["endpoint"]) if adopt and _on_node(adopt["node_id"]) \
+            else None
+        if zygote is None and self._adopt is None:
             self._start_own()
 
     def _start_own(self) -> None:
@@ -216,6 +223,8 @@ class ForkSource:
         "died" at once: waiting longer would only delay the training process."""
         import ray
 
+        if self._zygote is None:
+            return self._launchers(timeout_s)
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
@@ -236,6 +245,26 @@ class ForkSource:
                            type(failure).__name__, failure)
             self._start_own()
             return None
+
+    def _launchers(self, timeout_s: float) -> Endpoint | None:
+        """The launcher's forkserver, once it has imported (probed once); None, and a
+        forkserver of this agent's own from now on, when it is gone or refuses. Nothing
+        replaces it: the launcher started it, and only a zygote would start another."""
+        with self._adopt_lock:
+            adopt = self._adopt
+            if adopt is not None and not adopt.ready_at:
+                try:
+                    adopt = probe(adopt, timeout_s) if process_alive(adopt.pid) else None
+                except (OSError, EOFError) as err:
+                    logger.warning("the launcher's forkserver (pid %d) refused the probe (%s)",
+                                   adopt.pid, err)
+                    adopt = None
+                self._adopt = adopt
+        if adopt is None:
+            logger.warning("the launcher's forkserver is gone; this agent forks its training "
+                           "processes from a forkserver of its own")
+            self._start_own()
+        return adopt
 
     def ready_at(self, timeout_s: float) -> float:
         """Wall time the forkserver this agent forks from had imported PRELOAD (waits up to
@@ -263,9 +292,11 @@ class ForkSource:
                 proc.start()
                 return proc
             except (OSError, EOFError) as err:
-                logger.warning("the zygote's forkserver at %s refused a fork (%s); asking again",
+                logger.warning("the forkserver at %s refused a fork (%s); asking again",
                                self._endpoint.address, err)
                 self._endpoint = None
+                with self._adopt_lock:  # the launcher's is not asked again
+                    self._adopt = None
         if self._own is None:
             self._start_own()
         proc = self._own.Process(target=target, args=args, daemon=True, name=name)

@@ -41,5 +41,6 @@ class ControllerOptions:
     # start is in it); None: the controller's construction.
     launched_at: float | None = None
     # A forkserver the launcher started on its own node before an embedded Ray ({"node_id",
-    # "endpoint"}): the zygote on that node adopts it (workers/zygote.py); None: each starts one.
+    # "endpoint"}): the agents on that node fork from it, with no zygote there (workers/zygote.py);
+    # None: each node block's zygote starts one.
     forkserver: dict[str, Any] | None = None

@@ -23,7 +23,8 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (placement_group, placement_group_table,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tenax.orchestrator.errors import PlacementError
@@ -49,7 +50,7 @@ class WorkerGroup:
     def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5,
                  marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None) -> None:
         self.job_id, self.gpus_per_node, self.cpus_per_rank = job_id, gpus_per_node, cpus_per_rank
-        self.forkserver = forkserver  # the launcher's, for the zygote on its node to adopt
+        self.forkserver = forkserver  # the launcher's: the agents on its node fork from it
         self.marks = marks  # the cold start's phases; None: not measured
         self.forkservers_timed = False  # their readiness is asked once: the cold start's
         self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
@@ -74,9 +75,8 @@ class WorkerGroup:
         for block in self.blocks:
             self._replace_dead(block)
         new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
-        for block in new:  # Ray holds them until their bundles are reserved: their processes
-            block["zygote"] = self._new_zygote(block["pg"])  # start sooner
-            block["slots"] = [self._new_actor(block, i) for i in range(g)]
+        if self.forkserver is None:  # Ray holds them until their bundles are reserved: their
+            self._populate(new)  # processes start sooner
         ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
         if len(ready) < len(new):
             for block in new:  # not in self.blocks yet: release them here or they leak GPUs
@@ -85,6 +85,8 @@ class WorkerGroup:
             raise PlacementError(f"placing {layout.world_size} ranks ({needed} nodes x {g} GPUs) "
                                  f"did not finish within {timeout_s:.0f} s; not enough free GPUs?")
         self._mark("placement_groups_ready")
+        if self.forkserver is not None:  # where each block landed decides whether it needs a
+            self._populate(new)  # zygote
         self.blocks.extend(new)
         slots = [h for b in self.blocks for h in b["slots"]]
         self.ranks = slots[:layout.world_size]
@@ -101,7 +103,34 @@ class WorkerGroup:
         pg = placement_group([dict(bundle) for _ in range(self.gpus_per_node)],
                              strategy="STRICT_PACK",
                              name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
-        return {"pg": pg, "slots": [], "lost": False, "index": index, "zygote": None}
+        return {"pg": pg, "slots": [], "lost": False, "index": index, "zygote": None,
+                "adopt": None}
+
+    def _populate(self, blocks: list[dict[str, Any]]) -> None:
+        """Each new block's agents, and its zygote unless the block is on the launcher's node:
+        there the agents fork from the launcher's forkserver, which imported while Ray started,
+        and one Ray actor fewer starts before the first step."""
+        for block in blocks:
+            block["adopt"] = self._adoptable(block["pg"])
+            if block["adopt"] is None:
+                block["zygote"] = self._new_zygote(block["pg"])
+            block["slots"] = [self._new_actor(block, i) for i in range(self.gpus_per_node)]
+
+    def _adoptable(self, pg: Any) -> dict[str, Any] | None:
+        """The launcher's forkserver when the (reserved) placement group is on its node."""
+        if self.forkserver is None:
+            return None
+        try:
+            node = placement_group_table(pg)["bundles_to_node_id"][0]
+        except Exception as err:  # its zygote adopts the forkserver where it finds itself there
+            logger.info("where placement group %s landed is not known (%s): its block gets a "
+                        "zygote", pg.id.hex(), err)
+            return None
+        if node != self.forkserver["node_id"]:
+            return None
+        logger.info("the agents on node %s fork from the launcher's forkserver (pid %s): no "
+                    "zygote there", node[:8], self.forkserver["endpoint"].get("pid"))
+        return self.forkserver
 
     def _new_zygote(self, pg: Any) -> Any:
         """The block's forkserver (workers/zygote.py): no resources of its own, on the block's
@@ -116,7 +145,7 @@ class WorkerGroup:
             num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=AGENT_THREADS,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=block["pg"], placement_group_bundle_index=index)
-        ).remote(block["zygote"])
+        ).remote(block["zygote"], adopt=block.get("adopt"))
         return RankHandle(-1, actor)
 
     def _replace_dead(self, block: dict[str, Any]) -> None:

@@ -171,7 +171,7 @@ def run_preflight(spec: Any, steps: int | None = None,
     `guard(controller)` wraps each scratch job's run (e.g. SIGTERM handling); `chaos`: a
     drill's faults (`ChaosEvent`s) for the smoke job and the links probes; `capacity_limit`:
     the nodes a scheduler allots the job (the scratch jobs never plan for more); `forkserver`:
-    the one `tenax run` started beside its embedded Ray, for the scratch jobs' zygote."""
+    the one `tenax run` started beside its embedded Ray, for the scratch jobs' agents."""
     from tenax.orchestrator.preflight.screening import screened
 
     options = ScratchOptions(guard, tuple(chaos), capacity_limit, forkserver)

@@ -32,7 +32,7 @@ class AdmissionPreflight:
                  capacity_limit: Callable[[], int], record: Record,
                  forkserver: dict[str, Any] | None = None) -> None:
         self.job_id, self.spec, self.record = job_id, spec, record
-        self.forkserver = forkserver  # the service's, which the scratch jobs' zygotes adopt
+        self.forkserver = forkserver  # the service's: the scratch jobs' agents fork from it
         self.capacity_limit = capacity_limit
         self.summary = str(baseline.get("preflight") or "")  # "" until one ran
         done = self.summary.split(":")[0].split(";")[0] in VERDICTS

@@ -51,7 +51,7 @@ class JobManager:
                  limits: ServiceLimits | None = None,
                  forkserver: dict[str, Any] | None = None) -> None:
         self.store, self.collector = store, collector
-        self.forkserver = forkserver  # this node's, every job's zygote here adopts it
+        self.forkserver = forkserver  # this node's: every job's agents here fork from it
         self.roots = roots  # None: any URI (embedding callers that trust their submitters)
         self.limits = limits or ServiceLimits()
         self.claims = UriClaims()  # checkpoint roots of unfinished jobs

@@ -41,7 +41,7 @@ def default_gpu_slots() -> int:
 @dataclass
 class RayLink:
     """What `connect_ray` leaves besides Ray itself: with an embedded Ray, this node's
-    forkserver, which every job's zygote on this node adopts ({"node_id", "endpoint"}; None
+    forkserver, which every job's agents on this node fork from ({"node_id", "endpoint"}; None
     when joining a cluster), and the embedded Ray's temp dir. `close()` after ray.shutdown()
     stops the forkserver and removes that dir: each start makes a fresh one (sockets, session
     logs), so keeping them would leave one more behind at every `tenax run` or restart."""
