@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -161,31 +162,32 @@ class NodeView:
 
 
 class ApiServerStart:
-    """Ray's `Node.start_api_server` run on a thread; `join` waits for it, hands its processes
-    to the node and raises what it raised, as the call would have."""
+    """Ray's `Node.start_api_server` run on the API servers' thread; `join` waits for it, hands
+    its processes to the node and raises what it raised, as the call would have.
+
+    One thread for all, for the life of this process: Ray has Linux kill a process it starts
+    when the thread that started it ends (`PR_SET_PDEATHSIG` follows the thread, not the
+    process), so a thread per start would take its API server with it."""
+
+    pool: ThreadPoolExecutor | None = None
 
     def __init__(self, start: Callable[..., Any], node: Any, kwargs: dict[str, Any]) -> None:
         self.view = NodeView(node)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(start, kwargs),
-                                       name="tenax-ray-api-server", daemon=True)
-        self.thread.start()
-
-    def _run(self, start: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        try:
-            start(self.view, **kwargs)
-        except BaseException as err:  # handed to the thread that waits for the node
-            self.error = err
+        if ApiServerStart.pool is None:
+            ApiServerStart.pool = ThreadPoolExecutor(1, thread_name_prefix="tenax-api-servers")
+        self.future = ApiServerStart.pool.submit(start, self.view, **kwargs)
 
     def join(self) -> None:
-        self.thread.join(API_SERVER_JOIN_S)
-        if self.thread.is_alive():
+        try:
+            self.future.result(API_SERVER_JOIN_S)
+        except FutureTimeout:
             logger.warning("Ray's API server has not started within %.0f s; the node is used "
                            "without waiting for it", API_SERVER_JOIN_S)
             return
+        except BaseException:
+            self.view.hand_over()
+            raise
         self.view.hand_over()
-        if self.error is not None:
-            raise self.error
 
 
 def api_server_beside_raylet() -> None:

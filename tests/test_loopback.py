@@ -56,6 +56,8 @@ def test_a_started_node_is_looked_up_once_its_raylet_is_listed_and_an_unknown_on
         assert getattr(Node.start_api_server, loopback.PROMPT_MARK, False)
         head = ray._private.worker._global_node
         assert "dashboard" in head.all_processes and not loopback.API_SERVERS
+        # and it outlives the start: Linux's death signal follows the thread that started it
+        assert head.all_processes["dashboard"][0].process.poll() is None
 
 
 def test_the_lookup_is_wrapped_once_and_asks_ray_only_after_the_registration_wait(

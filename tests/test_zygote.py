@@ -124,6 +124,34 @@ def test_an_agent_whose_zygote_does_not_answer_forks_from_its_own_forkserver() -
     assert source.ready_at(120) > 0
 
 
+def test_an_agent_on_the_launchers_node_forks_from_its_forkserver_until_it_is_gone(
+        monkeypatch) -> None:
+    """No zygote on the launcher's node: its agents fork from the launcher's forkserver, ready
+    once the first fork returned; once it is gone, from a forkserver of their own."""
+    from dataclasses import asdict
+
+    from tenax.workers import zygote as zygote_module
+    from tenax.workers.zygote import NodeForkServer
+
+    monkeypatch.setattr(zygote_module, "_on_node", lambda node_id: node_id == "here")
+    server = NodeForkServer([])
+    try:
+        source = ForkSource(None, timeout_s=120,
+                            adopt={"node_id": "here", "endpoint": asdict(server.endpoint)})
+        before = time.time()
+        proc = source.start(os._exit, (3,), "tenax-test")
+        proc.join(60)
+        assert isinstance(proc, ZygoteProcess) and proc.exitcode == 3
+        assert before <= source.ready_at(1) <= time.time()
+        os.kill(server.endpoint.pid, signal.SIGKILL)
+        wait_until(lambda: pid_gone(server.endpoint.pid), 30, "the launcher's forkserver to die")
+        proc = source.start(os._exit, (4,), "tenax-test")
+        proc.join(60)
+    finally:
+        server.close()
+    assert proc.exitcode == 4 and not isinstance(proc, ZygoteProcess)
+
+
 @pytest.mark.slow  # a local Ray
 def test_an_agent_whose_zygote_has_no_restarts_left_falls_back_at_once(monkeypatch, caplog):
     """Ray says "unavailable" while it restarts an actor and "died" once its restarts are

@@ -191,6 +191,7 @@ class ForkSource:
         self._own_ready = threading.Event()
         self._own_at = 0.0
         self._adopt_lock = threading.Lock()
+        self._forked = threading.Event()  # a first start was tried (ready_at waits for it)
         self._adopt = Endpoint(**adopt["endpoint"]) if adopt and _on_node(adopt["node_id"]) \
             else None
         if zygote is None and self._adopt is None:
@@ -224,7 +225,7 @@ class ForkSource:
         import ray
 
         if self._zygote is None:
-            return self._launchers(timeout_s)
+            return self._launchers()
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
@@ -246,20 +247,14 @@ class ForkSource:
             self._start_own()
             return None
 
-    def _launchers(self, timeout_s: float) -> Endpoint | None:
-        """The launcher's forkserver, once it has imported (probed once); None, and a
-        forkserver of this agent's own from now on, when it is gone or refuses. Nothing
-        replaces it: the launcher started it, and only a zygote would start another."""
+    def _launchers(self) -> Endpoint | None:
+        """The launcher's forkserver while it runs (a fork from it waits for its imports);
+        None, and a forkserver of this agent's own from now on, once it is gone or refused a
+        fork. Nothing replaces it: the launcher started it, and only a zygote starts another."""
         with self._adopt_lock:
             adopt = self._adopt
-            if adopt is not None and not adopt.ready_at:
-                try:
-                    adopt = probe(adopt, timeout_s) if process_alive(adopt.pid) else None
-                except (OSError, EOFError) as err:
-                    logger.warning("the launcher's forkserver (pid %d) refused the probe (%s)",
-                                   adopt.pid, err)
-                    adopt = None
-                self._adopt = adopt
+            if adopt is not None and not process_alive(adopt.pid):
+                adopt = self._adopt = None
         if adopt is None:
             logger.warning("the launcher's forkserver is gone; this agent forks its training "
                            "processes from a forkserver of its own")
@@ -268,8 +263,14 @@ class ForkSource:
 
     def ready_at(self, timeout_s: float) -> float:
         """Wall time the forkserver this agent forks from had imported PRELOAD (waits up to
-        `timeout_s`; the time of asking when not ready by then)."""
-        if self._own is None:
+        `timeout_s`; the time of asking when not ready by then). The launcher's is not probed
+        (a probe's fork would delay the first real one): it was ready by the time its first
+        fork for this agent returned."""
+        if self._own is None and self._zygote is None:
+            self._forked.wait(timeout_s)
+            if self._endpoint is not None and self._endpoint.ready_at:
+                return self._endpoint.ready_at
+        elif self._own is None:
             endpoint = self._endpoint or self._ask(timeout_s)
             if endpoint is not None:
                 self._endpoint = endpoint
@@ -280,6 +281,12 @@ class ForkSource:
     def start(self, target: Callable[..., Any], args: tuple, name: str) -> Any:
         """A started training process; a refused connection asks the zygote again once (it
         replaces a dead forkserver) before this agent falls back on its own."""
+        try:
+            return self._start(target, args, name)
+        finally:
+            self._forked.set()
+
+    def _start(self, target: Callable[..., Any], args: tuple, name: str) -> Any:
         for _ in range(2):
             if self._own is not None:
                 break
@@ -290,6 +297,8 @@ class ForkSource:
             proc = ZygoteProcess(self._endpoint, target, args, name)
             try:
                 proc.start()
+                if not self._endpoint.ready_at:  # the launcher's: ready by now
+                    self._endpoint = replace(self._endpoint, ready_at=time.time())
                 return proc
             except (OSError, EOFError) as err:
                 logger.warning("the forkserver at %s refused a fork (%s); asking again",
