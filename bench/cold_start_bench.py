@@ -14,6 +14,9 @@ clock at the end of step 1 (both sides stamp it the same way). Runs interleave (
 Tenax, torchrun, ...) so load hits both alike; the figure is the median over reps of
 torchrun ÷ Tenax (goal >= 0.8). Each Tenax run's `done` event carries its `cold_start`
 breakdown (orchestrator/job/goodput_cold_start.py), reported as each phase's median seconds.
+Tenax's modules are byte-compiled first, as a wheel's install does: where
+PYTHONDONTWRITEBYTECODE is set (this host, the image) an editable install would otherwise
+compile them in every process at every start (bench/RESULTS.md).
 The recovery row is the first Tenax run of the largest world (`--quick`: the smallest) run
 with `--chaos "kill rank=1 at=5; kill rank=1 at=10; ..."` (`--kills`, default 3; `--quick` 1):
 the median over the kills of the failure event -> the first step after `recovered` (what a
@@ -222,7 +225,7 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--plain-worker":  # a torchrun rank
         plain_worker(STEPS, sys.argv[2])
         return 0
-    from bench.common import parse_args
+    from bench.common import compile_tenax, parse_args
 
     args = parse_args(__doc__, lambda p: (p.add_argument("--worlds", default="2,4"),
                                           p.add_argument("--reps", type=int, default=0),
@@ -232,6 +235,7 @@ def main() -> int:
     reps = args.reps or (1 if args.quick else 3)
     kills = args.kills or (1 if args.quick else 3)
     killed = min(worlds) if args.quick else max(worlds)
+    compile_tenax()  # as installed from a wheel: no side compiles its sources at each start
     with tempfile.TemporaryDirectory(prefix="tenax-coldstart-") as tmp:
         cases = [measure(w, reps, tmp, kills=kills if w == killed else 0) for w in worlds]
         grown = None if args.quick or args.no_grow or max(worlds) < 2 else grow(max(worlds), tmp)

@@ -123,11 +123,12 @@ def one_pair(tmp: Path, jobs: int) -> tuple[list[float], list[float]]:
 
 
 def main() -> int:
-    from bench.common import Report, parse_args
+    from bench.common import Report, compile_tenax, parse_args
 
     args = parse_args(__doc__, lambda p: (p.add_argument("--reps", type=int, default=0),
                                           p.add_argument("--jobs", type=int, default=2)))
     reps = args.reps or (1 if args.quick else 3)
+    compile_tenax()  # as installed from a wheel (bench/common.py)
     embedded, joined = [], []
     with tempfile.TemporaryDirectory(prefix="tenax-svcstart-") as tmp:
         for rep in range(reps):
