@@ -105,10 +105,10 @@ TENAX_PACKAGES = ("tenax", "tenax.orchestrator", "tenax.workers", "tenax.checkpo
 
 def compile_tenax() -> int:
     """Byte-compile Tenax's modules, as `pip install` of a wheel does (the image's `pip
-    install .` too); returns how many package folders compiled without an error. An editable install writes its
-    bytecode on first import, except where PYTHONDONTWRITEBYTECODE is set (this host, the
-    image): there every process that imports Tenax compiles its sources again (~0.1 s of CPU
-    in the CLI alone), which a start-up bench would otherwise charge to Tenax."""
+    install .` too); returns how many package folders compiled without an error. An editable
+    install writes its bytecode on first import, except where PYTHONDONTWRITEBYTECODE is set
+    (this host, the image): there every process that imports Tenax compiles its sources again
+    (~0.1 s of CPU in the CLI alone), which a start-up bench would otherwise charge to Tenax."""
     import compileall
     import importlib
 

@@ -172,11 +172,19 @@ def importing_beside(modules: tuple[str, ...]) -> threading.Thread:
     return thread
 
 
+def progress_bar(console: Any) -> Any:
+    """The job's bar: name, steps done of train.steps, the newest event, time elapsed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                    transient=False)
+
+
 def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None = None,
             address: str | None = None, metrics_port: int | None = None,
             preflight: bool = False) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     controller_imports = importing_beside(CONTROLLER_MODULES)
     chaos = parse_chaos(chaos_spec)
@@ -186,9 +194,7 @@ def run_job(spec: JobSpec, chaos_spec: str | None = None, log_json: str | None =
 
         check_init_from(spec)
     console = Console(stderr=True)
-    progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                        transient=False)
+    progress = progress_bar(console)
     with ray_session(address, spec) as forkserver, progress:
         controller_imports.join()
         from tenax.orchestrator.cli.preflight import preflight_gate

@@ -2,7 +2,9 @@
 
 - `WorkerGroup`: one Ray agent per GPU slot in STRICT_PACK placement groups; heartbeats,
   start, stop, shutdown. Its view of a rank (rank_handle.py): `RankHandle`, `RankHealth`
-  (what the policies read), `progressed` (what restarts a rank's hang clock).
+  (what the policies read), `progressed` (what restarts a rank's hang clock). Its node blocks
+  (node_blocks.py): `NodeBlocks` makes, repairs and releases a block's placement group, agents
+  and zygote (none on the launcher's node, whose forkserver the agents there fork from).
 - `Placer`: PLACING's executor (warm re-join first, cold fallback); `PLACEMENT_ERRORS`.
 - Capacity: `Capacity`, `cluster_capacity`, `cluster_gpus` (the GPUs as Ray names them),
   `NodeProbes` (is a suspect node still there?);
@@ -22,6 +24,7 @@ from tenax.faces import lazy_face
 _MODULES = {
     "rank_handle": ("PhaseMarks", "RankHandle", "RankHealth", "progressed"),
     "worker_group": ("WorkerGroup",),
+    "node_blocks": ("NodeBlocks",),
     "placer": ("PLACEMENT_ERRORS", "Placer"),
     "capacity": ("Capacity", "NodeProbes", "cluster_capacity", "cluster_gpus", "ray_nodes"),
     "nodes_reader": ("NodesReader", "RayNodesTimeout"),

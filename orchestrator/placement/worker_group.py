@@ -1,9 +1,10 @@
 """WorkerGroup: one RankWorker actor per GPU slot, placed so that tp groups share a node.
 
-One STRICT_PACK placement group per node-sized block of `gpus_per_node` consecutive ranks:
-since the layout orders ranks with tp fastest, every tp group (and cp/ep group within it) is on
-one node, while pp and dp span nodes. After placement the actors' real node ids are checked
-against that promise, so a mis-placement is an error, not a silent slowdown.
+One STRICT_PACK placement group per node-sized block of `gpus_per_node` consecutive ranks
+(`node_blocks.py` makes and releases them): since the layout orders ranks with tp fastest,
+every tp group (and cp/ep group within it) is on one node, while pp and dp span nodes. After
+placement the actors' real node ids are checked against that promise, so a mis-placement is an
+error, not a silent slowdown.
 
 Warm recovery: actors (and their placement groups) outlive a failed attempt. `reuse()` keeps
 every node block whose actors are alive, replaces dead actors inside their block, drops blocks
@@ -23,16 +24,14 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.util.placement_group import (placement_group, placement_group_table,
-                                      remove_placement_group)
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tenax.orchestrator.errors import PlacementError
+from tenax.orchestrator.placement.node_blocks import NodeBlocks
 from tenax.orchestrator.placement.rank_handle import (PhaseMarks, RankHandle, RankHealth,
                                                       progressed)
 from tenax.orchestrator.placement.recovery import MemoryStart
 from tenax.parallel import ParallelLayout
-from tenax.workers import RankChaos, RankRun, RankWorker, ReplicaTerms, Zygote
+from tenax.workers import RankChaos, RankRun, ReplicaTerms
 from tenax.workers.tracking import TrackingStart
 
 logger = logging.getLogger(__name__)
@@ -40,8 +39,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PhaseMarks", "RankHandle", "RankHealth", "WorkerGroup", "progressed"]
 
 
-AGENT_THREADS = 6  # heartbeat, stop, wait_ended, snapshot reads and a peer's replica at once
-ZYGOTE_RESTARTS = 3  # a zygote whose process died comes back (one import) this many times
 WATCH_S = 30.0  # how long one `wait_ended` call may hold an agent thread before it is renewed
 WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controller's inbox
 
@@ -49,8 +46,8 @@ WAKE_POLL_S = 0.05  # how often a wait for ended processes looks at the controll
 class WorkerGroup:
     def __init__(self, job_id: str, gpus_per_node: int, cpus_per_rank: float = 0.5,
                  marks: PhaseMarks | None = None, forkserver: dict[str, Any] | None = None) -> None:
-        self.job_id, self.gpus_per_node, self.cpus_per_rank = job_id, gpus_per_node, cpus_per_rank
-        self.forkserver = forkserver  # the launcher's: the agents on its node fork from it
+        self.job_id, self.gpus_per_node = job_id, gpus_per_node
+        self.node_blocks = NodeBlocks(job_id, gpus_per_node, cpus_per_rank, forkserver)
         self.marks = marks  # the cold start's phases; None: not measured
         self.forkservers_timed = False  # their readiness is asked once: the cold start's
         self.ranks: list[RankHandle] = []  # the active ranks of the current layout, in order
@@ -69,24 +66,25 @@ class WorkerGroup:
         keep = [b for b in self.blocks if b["lost"] is False][:needed]
         for block in self.blocks:
             if block not in keep:
-                self._remove_block(block)
+                self.node_blocks.remove(block)
         reused = sum(1 for b in keep for h in b["slots"] if h.dead is None)
         self.blocks = keep
         for block in self.blocks:
-            self._replace_dead(block)
-        new = [self._new_block(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
-        if self.forkserver is None:  # Ray holds them until their bundles are reserved: their
-            self._populate(new)  # processes start sooner
+            self.node_blocks.replace_dead(block)
+        new = [self.node_blocks.new(len(self.blocks) + i) for i in range(needed - len(self.blocks))]
+        adopting = self.node_blocks.forkserver is not None
+        if not adopting:  # Ray holds them until their bundles are reserved: their processes
+            self.node_blocks.populate(new)  # start sooner
         ready, _ = ray.wait([b["pg"].ready() for b in new], num_returns=len(new), timeout=timeout_s)
         if len(ready) < len(new):
             for block in new:  # not in self.blocks yet: release them here or they leak GPUs
-                self._remove_block(block)
+                self.node_blocks.remove(block)
             self.shutdown()
             raise PlacementError(f"placing {layout.world_size} ranks ({needed} nodes x {g} GPUs) "
                                  f"did not finish within {timeout_s:.0f} s; not enough free GPUs?")
         self._mark("placement_groups_ready")
-        if self.forkserver is not None:  # where each block landed decides whether it needs a
-            self._populate(new)  # zygote
+        if adopting:  # where each block landed decides whether it needs a zygote
+            self.node_blocks.populate(new)
         self.blocks.extend(new)
         slots = [h for b in self.blocks for h in b["slots"]]
         self.ranks = slots[:layout.world_size]
@@ -97,72 +95,6 @@ class WorkerGroup:
     def _mark(self, phase: str, at: float | None = None) -> None:
         if self.marks is not None:
             self.marks.mark(phase, at)
-
-    def _new_block(self, index: int) -> dict[str, Any]:
-        bundle = {"GPU": 1.0, "CPU": self.cpus_per_rank}
-        pg = placement_group([dict(bundle) for _ in range(self.gpus_per_node)],
-                             strategy="STRICT_PACK",
-                             name=f"tenax-{self.job_id}-{time.monotonic_ns()}")
-        return {"pg": pg, "slots": [], "lost": False, "index": index, "zygote": None,
-                "adopt": None}
-
-    def _populate(self, blocks: list[dict[str, Any]]) -> None:
-        """Each new block's agents, and its zygote unless the block is on the launcher's node:
-        there the agents fork from the launcher's forkserver, which imported while Ray started,
-        and one Ray actor fewer starts before the first step."""
-        for block in blocks:
-            block["adopt"] = self._adoptable(block["pg"])
-            if block["adopt"] is None:
-                block["zygote"] = self._new_zygote(block["pg"])
-            block["slots"] = [self._new_actor(block, i) for i in range(self.gpus_per_node)]
-
-    def _adoptable(self, pg: Any) -> dict[str, Any] | None:
-        """The launcher's forkserver when the (reserved) placement group is on its node."""
-        if self.forkserver is None:
-            return None
-        try:
-            node = placement_group_table(pg)["bundles_to_node_id"][0]
-        except Exception as err:  # its zygote adopts the forkserver where it finds itself there
-            logger.info("where placement group %s landed is not known (%s): its block gets a "
-                        "zygote", pg.id.hex(), err)
-            return None
-        if node != self.forkserver["node_id"]:
-            return None
-        logger.info("the agents on node %s fork from the launcher's forkserver (pid %s): no "
-                    "zygote there", node[:8], self.forkserver["endpoint"].get("pid"))
-        return self.forkserver
-
-    def _new_zygote(self, pg: Any) -> Any:
-        """The block's forkserver (workers/zygote.py): no resources of its own, on the block's
-        node; Ray restarts it if its process dies (the agents ask it again)."""
-        return ray.remote(Zygote).options(
-            num_cpus=0, num_gpus=0, max_restarts=ZYGOTE_RESTARTS, max_concurrency=AGENT_THREADS,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0)).remote(adopt=self.forkserver)
-
-    def _new_actor(self, block: dict[str, Any], index: int) -> RankHandle:
-        actor = ray.remote(RankWorker).options(
-            num_gpus=1, num_cpus=self.cpus_per_rank, max_concurrency=AGENT_THREADS,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=block["pg"], placement_group_bundle_index=index)
-        ).remote(block["zygote"], adopt=block.get("adopt"))
-        return RankHandle(-1, actor)
-
-    def _replace_dead(self, block: dict[str, Any]) -> None:
-        for i, h in enumerate(block["slots"]):
-            if h.dead is not None:
-                _kill_quietly(h.actor)
-                block["slots"][i] = self._new_actor(block, i)
-
-    def _remove_block(self, block: dict[str, Any]) -> None:
-        for h in block["slots"]:
-            _kill_quietly(h.actor)
-        if block.get("zygote") is not None:
-            _kill_quietly(block["zygote"])
-        try:
-            remove_placement_group(block["pg"])
-        except Exception as err:  # its node may be gone already
-            logger.debug("remove placement group: %s", err)
 
     def mark_lost(self, node_id: str) -> None:
         """A node is gone: its blocks are never reused (their actors die with it)."""
@@ -375,12 +307,6 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Kill every actor and release the placement groups (never blocks for long)."""
         for block in self.blocks:
-            self._remove_block(block)
+            self.node_blocks.remove(block)
         self.ranks, self.blocks = [], []
 
-
-def _kill_quietly(actor: Any) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as err:  # already dead: nothing to release
-        logger.debug("kill actor: %s", err)
