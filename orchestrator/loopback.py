@@ -34,6 +34,7 @@ isolation needs the API server's processes before the raylet starts.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -73,19 +74,34 @@ def prompt_connect_env() -> None:
 
 
 def prompt_node_start() -> None:
-    """Nodes started by this process are used as soon as their raylet registers (see the
-    module's docstring); installed once, after `import ray` is allowed (after `loopback_env`)."""
+    """Nodes started by this process are used as soon as their raylet registers, and a head's
+    API server starts beside its raylet (see the module's docstring); installed once, after
+    `import ray` is allowed (after `loopback_env`). The API server's start is waited for by
+    the wrapped lookup, so it moves only where the lookup is wrapped."""
+    if wrap_once("ray._private.services", "get_node", registered_lookup):
+        wrap_once("ray._private.node", "Node.start_api_server", beside_raylet)
+
+
+def wrap_once(module: str, path: str, wrap: Callable[[Any], Any]) -> bool:
+    """Replace `module`'s `path` (a function or a class's method) with `wrap(original)`,
+    unless that was done already; False, and Ray's own code as it is, where Ray's layout
+    differs (another version)."""
+    owner_path, _, name = path.rpartition(".")
     try:
-        import ray._private.services as services
-    except ImportError as err:
-        logger.info("Ray's node lookup is not where Tenax expects it (%s): nodes start at Ray's "
-                    "own pace", err)
-        return
-    original = getattr(services, "get_node", None)
-    if original is None or getattr(original, PROMPT_MARK, False):
-        return
-    services.get_node = registered_lookup(original)
-    api_server_beside_raylet()
+        owner: Any = importlib.import_module(module)
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part)
+    except (ImportError, AttributeError) as err:
+        logger.info("%s.%s is not where Tenax expects it (%s): Ray starts at its own pace",
+                    module, path, err)
+        return False
+    original = getattr(owner, name, None)
+    if original is None:
+        logger.info("%s.%s is missing: Ray starts at its own pace", module, path)
+        return False
+    if not getattr(original, PROMPT_MARK, False):
+        setattr(owner, name, wrap(original))
+    return True
 
 
 def registered_lookup(original: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
@@ -188,21 +204,6 @@ class ApiServerStart:
             self.view.hand_over()
             raise
         self.view.hand_over()
-
-
-def api_server_beside_raylet() -> None:
-    """A head node started by this process starts its API server beside its raylet (see the
-    module's docstring); Ray's own order where its layout differs."""
-    try:
-        from ray._private.node import Node
-    except ImportError as err:
-        logger.info("Ray's node is not where Tenax expects it (%s): its API server starts at "
-                    "Ray's own pace", err)
-        return
-    original = getattr(Node, "start_api_server", None)
-    if original is None or getattr(original, PROMPT_MARK, False):
-        return
-    Node.start_api_server = beside_raylet(original)
 
 
 def beside_raylet(original: Callable[..., Any]) -> Callable[..., Any]:
