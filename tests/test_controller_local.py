@@ -63,11 +63,14 @@ def test_without_memory_snapshots_a_killed_rank_resumes_from_storage(tmp_path, c
     job = run_job(spec, chaos="kill rank=1 at=13")
     assert job.controller.state.value == "SUCCEEDED"
     recovered = job.of("recovered")[0]
-    assert recovered["step"] == 10 and recovered["source"] == "storage"  # as before snapshots
-    assert recovered["lost_steps"] == 2  # steps 11 and 12 were redone
+    # The newest committed save: step 10's, unless a loaded host had not committed it yet three
+    # steps later, when the rank died (then step 5's); every step after it up to 12 is redone.
+    assert recovered["step"] in (10, 5) and recovered["source"] == "storage"
+    assert recovered["lost_steps"] == 12 - recovered["step"]
     assert not job.of("snapshot")
     assert_same_losses(job.losses(), clean.losses())
-    assert job.controller.restarts == 1 and job.controller.lost_steps == 2
+    assert job.controller.restarts == 1
+    assert job.controller.lost_steps == recovered["lost_steps"]
 
 
 def test_hang_is_detected_by_the_hang_timeout(tmp_path, clean):
