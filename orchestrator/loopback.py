@@ -39,8 +39,7 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -194,16 +193,12 @@ class ApiServerStart:
         self.future = ApiServerStart.pool.submit(start, self.view, **kwargs)
 
     def join(self) -> None:
-        try:
-            self.future.result(API_SERVER_JOIN_S)
-        except FutureTimeout:
+        if not wait([self.future], API_SERVER_JOIN_S).done:
             logger.warning("Ray's API server has not started within %.0f s; the node is used "
                            "without waiting for it", API_SERVER_JOIN_S)
             return
-        except BaseException:
-            self.view.hand_over()
-            raise
         self.view.hand_over()
+        self.future.result()  # raises what the start raised
 
 
 def beside_raylet(original: Callable[..., Any]) -> Callable[..., Any]:
