@@ -1,6 +1,8 @@
 """Real jobs on a real local Ray: finish, survive a killed rank and a hang, fail cleanly."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tenax.testing.clusters import start_local_ray
@@ -311,10 +313,10 @@ def _training_parents(job: JobRun, seen: dict) -> bool:
     return True
 
 
-def test_the_agents_on_the_launchers_node_fork_from_its_forkserver_with_no_zygote(
-        tmp_path, clean):
-    """`tenax run` with an embedded Ray starts the node's forkserver before Ray, so the imports
-    overlap Ray's start; the agents on that node fork from it, and no zygote starts there."""
+@contextlib.contextmanager
+def launchers_forkserver():
+    """A forkserver started here, as `tenax run` starts one before an embedded Ray, and what the
+    controller is handed to adopt it ({"node_id", "endpoint"})."""
     from dataclasses import asdict
 
     import ray
@@ -323,8 +325,17 @@ def test_the_agents_on_the_launchers_node_fork_from_its_forkserver_with_no_zygot
 
     server = NodeForkServer(PRELOAD)
     try:
-        adopt = {"node_id": ray.get_runtime_context().get_node_id(),
-                 "endpoint": asdict(server.endpoint)}
+        yield server, {"node_id": ray.get_runtime_context().get_node_id(),
+                       "endpoint": asdict(server.endpoint)}
+    finally:
+        server.close()
+
+
+def test_the_agents_on_the_launchers_node_fork_from_its_forkserver_with_no_zygote(
+        tmp_path, clean):
+    """`tenax run` with an embedded Ray starts the node's forkserver before Ray, so the imports
+    overlap Ray's start; the agents on that node fork from it, and no zygote starts there."""
+    with launchers_forkserver() as (server, adopt):
         spec = make_spec(tmp_path, ["train.steps=20", "resources.nodes=1",
                                     "resources.gpus_per_node=2"])
         job = JobRun(spec, forkserver=adopt).start()
@@ -332,8 +343,6 @@ def test_the_agents_on_the_launchers_node_fork_from_its_forkserver_with_no_zygot
         job.wait_for(lambda: _training_parents(job, seen), 300, "the ranks forked")
         zygotes = [b["zygote"] for b in job.controller.group.blocks]
         job.finish(300)
-    finally:
-        server.close()
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
     assert seen["parents"] == {server.endpoint.pid}
     assert zygotes == [None]
@@ -346,17 +355,10 @@ def test_a_killed_launcher_forkserver_leaves_the_agents_forking_their_own_from_m
     — starts a forkserver of its own (one import each) and its rank resumes from memory."""
     import os
     import signal
-    from dataclasses import asdict
 
     import psutil
-    import ray
 
-    from tenax.workers import PRELOAD, NodeForkServer
-
-    server = NodeForkServer(PRELOAD)
-    try:
-        adopt = {"node_id": ray.get_runtime_context().get_node_id(),
-                 "endpoint": asdict(server.endpoint)}
+    with launchers_forkserver() as (server, adopt):
         spec = make_spec(tmp_path, ["train.steps=120", "resources.nodes=1",
                                     "resources.gpus_per_node=2"])
         job = JobRun(spec, forkserver=adopt).start()
@@ -367,8 +369,6 @@ def test_a_killed_launcher_forkserver_leaves_the_agents_forking_their_own_from_m
         job.wait_for(lambda: bool(job.of("recovered")) and _training_parents(job, seen), 300,
                      "the ranks forked again")
         job.finish(300)
-    finally:
-        server.close()
     assert job.controller.state.value == "SUCCEEDED", job.controller.cause
     recovered = job.of("recovered")[0]
     assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1, recovered
