@@ -82,3 +82,18 @@ def test_console_script_runs():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["schedules"]["1f1b"]["fraction"] == pytest.approx(3 / 27)
+
+
+def test_version_names_tenax_torch_ray_and_python():
+    """What a bug report starts with; the installed distribution and the package agree on it."""
+    import platform
+    from importlib.metadata import version
+
+    import tenax
+
+    proc = subprocess.run([sys.executable, "-m", "tenax.orchestrator.cli.main", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (f"tenax {tenax.__version__} (torch {version('torch')}, "
+                           f"ray {version('ray')}, python {platform.python_version()})\n")
+    assert version("tenax") == tenax.__version__

@@ -277,10 +277,43 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     register_diagnose, register_profile]
 
 
+def version_line() -> str:
+    """What a bug report needs: Tenax's version and the torch, Ray and Python it runs on (read
+    from the installed distributions: nothing is imported)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tenax import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"tenax {__version__} (torch {of('torch')}, ray {of('ray')}, "
+            f"python {platform.python_version()})")
+
+
+class VersionAction(argparse.Action):
+    """`--version`, computed only when asked: every other command starts without the lookups."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(version_line())  # stdout, as argparse prints its own version
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenax",
                                      description="Fault-tolerant, elastic LLM training")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-V", "--version", action=VersionAction,
+                        help="print the versions of Tenax, torch, Ray and Python, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in REGISTRARS:
         register(sub)
