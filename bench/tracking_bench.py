@@ -47,6 +47,7 @@ from bench.common import Report, parse_args, ratio
 logger = logging.getLogger(__name__)
 
 WARMUP = 10
+MIN_STEADY, STEPS_GROWTH, RETRIES = 10, 3, 2  # see run_once
 CPU_CHUNK = 25  # records handed over between waits in the writers' CPU measure
 OPEN_S = 3.0  # wandb.init's one-time cost (~1 s of CPU) lands in these seconds (module doc)
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -58,8 +59,8 @@ SHAPES = {"peers' shape": (PEERS, 16, (40, 2), (120, 4)),
           "tiny model": (MODEL, 8, (100, 2), (300, 5))}
 
 
-def run_once(root: str, tracked: bool, steps: int, shape: str) -> dict[str, Any]:
-    """One launcher run; its steady-state figures."""
+def launch_steps(root: str, tracked: bool, steps: int, shape: str) -> tuple[Any, list[dict]]:
+    """One launcher run of `steps` steps; its spec and step records."""
     from tenax.parallel.layout import ParallelLayout
     from tenax.testing.jobs import make_spec
     from tenax.testing.ranks import rank_context
@@ -76,11 +77,24 @@ def run_once(root: str, tracked: bool, steps: int, shape: str) -> dict[str, Any]
     layout = ParallelLayout(dp=2, zero=1, micro_batch_size=1)
     if not launch(spec.to_dict(), layout.to_dict(), 2, events.append, 600, rank_context()):
         raise RuntimeError(f"bench run failed: {events[-3:]}")
-    records = [e for e in events if e["event"] == "step"]
-    steady = [e for e in records
-              if e["step"] > WARMUP and e["time"] >= records[0]["time"] + OPEN_S]
-    if len(steady) < 10:
-        raise RuntimeError(f"{shape}: {len(steady)} steady steps; run more --steps")
+    return spec, [e for e in events if e["event"] == "step"]
+
+
+def run_once(root: str, tracked: bool, steps: int, shape: str) -> dict[str, Any]:
+    """One run's steady-state figures. Steady means after the warm-up steps and after OPEN_S
+    seconds; a tiny step can finish a short run inside OPEN_S, so a run with fewer than
+    MIN_STEADY steady steps is run again with STEPS_GROWTH times the steps."""
+    for _ in range(RETRIES + 1):
+        spec, records = launch_steps(root, tracked, steps, shape)
+        steady = [e for e in records
+                  if e["step"] > WARMUP and e["time"] >= records[0]["time"] + OPEN_S]
+        if len(steady) >= MIN_STEADY:
+            break
+        logger.info("%s: %d steady steps of %d; again with %d", shape, len(steady), steps,
+                    steps * STEPS_GROWTH)
+        steps *= STEPS_GROWTH
+    else:
+        raise RuntimeError(f"{shape}: {len(steady)} steady steps even in a run of {steps}")
     tokens = spec.train.global_batch_size * spec.model.seq_len
     wall = steady[-1]["time"] - steady[0]["time"]
     return {"tracked": tracked, "steps": len(steady),
