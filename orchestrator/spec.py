@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tenax.parallel import Cluster, DetectedGpus, PlanResult, plan_pinned, slot_memory_gib
+from tenax.parallel import (DEFAULT_MFU, Cluster, DetectedGpus, PlanResult, plan_pinned,
+                            slot_memory_gib)
 from tenax.workers import (CheckpointSpec, DataSpec, Degree, FaultToleranceSpec, JobSpec, ModelSpec,
                            MoESpec, ParallelSpec, ResourcesSpec, SpecError, TrainSpec,
                            apply_overrides, cross_field_problems, format_validation_error,
@@ -26,17 +27,19 @@ __all__ = ["CheckpointSpec", "DataSpec", "Degree", "FaultToleranceSpec", "JobSpe
 
 def plan_for_spec(spec: JobSpec, gpus: int, gpus_per_node: int, gpu_mem_gib: float | None = None,
                   pin_zero: bool = False, detected: DetectedGpus | None = None,
-                  **options: Any) -> PlanResult:
+                  mfu: float = DEFAULT_MFU, **options: Any) -> PlanResult:
     """The planner's best layout honoring the spec (see `tenax.parallel.planner.plan_pinned`).
     GiB per rank: `gpu_mem_gib`, else `resources.gpu_mem_gib`, else for `resources.device:
     cpu` each slot's share of the host's RAM, else the `detected` GPUs' (whose peak and links
-    the plan then uses too), else 80 (`tenax.parallel.slot_memory_gib`)."""
+    the plan then uses too), else 80 (`tenax.parallel.slot_memory_gib`). `mfu`: the share of
+    peak the step time assumes while computing."""
     r = spec.resources
     if detected is not None and not (gpu_mem_gib or r.gpu_mem_gib) and r.device != "cpu":
         gpu_mem_gib, options = detected.gpu_mem_gib, {**detected.options(), **options}
     mem = gpu_mem_gib or r.gpu_mem_gib or slot_memory_gib(r.device, gpus_per_node)
     return plan_pinned(spec.model.args(), spec.parallel.model_dump(), spec.train.global_batch_size,
-                       spec.train.dtype, Cluster(gpus, gpus_per_node, mem, **options), pin_zero)
+                       spec.train.dtype, Cluster(gpus, gpus_per_node, mem, **options), pin_zero,
+                       mfu)
 
 
 def spec_for_ranks(spec: JobSpec, recompute: str) -> dict[str, Any]:

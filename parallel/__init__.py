@@ -5,13 +5,13 @@
 - Layouts: `ParallelLayout` (degrees, rank <-> coordinates, device mesh), `layout_for`,
   `degree_problems`, `MESH_DIMS`, `SCHEDULES`.
 - Planning (pure arithmetic, torch-free): `plan_layout(model, Cluster, PlanOptions)`,
-  `plan_pinned`, `estimate_layout`, `precision`, `PlanResult`, `Estimate`, `StepTime`; the
-  cost model (`MemoryLedger`, `Network`, `Link`, `Comm`, `StateBytes`, `MIXED_ADAMW`,
-  `FP32_ADAMW`, per-dimension `*_comm`, activation and state memory, `train_flops_per_token`);
-  pipeline bubbles (`bubble_time`, `bubble_fraction`, `bubble_table`); GPU models (`GpuModel`,
-  `GPUS`, `gpu_model`, `gpu_from_device_name`, `gpus_from_ray_resources`, `planner_options`,
-  `slot_memory_gib`); host memory for snapshots (`snapshot_footprint`,
-  `node_snapshot_footprint`, ...).
+  `plan_pinned`, `DEFAULT_MFU`, `estimate_layout`, `precision`, `PlanResult`, `Estimate`,
+  `StepTime`; the cost model (`MemoryLedger`, `Network`, `Link`, `Comm`, `StateBytes`,
+  `MIXED_ADAMW`, `FP32_ADAMW`, per-dimension `*_comm`, activation and state memory,
+  `train_flops_per_token`); pipeline bubbles (`bubble_time`, `bubble_fraction`, `bubble_table`);
+  GPU models (`GpuModel`, `GPUS`, `gpu_model`, `gpu_from_device_name`,
+  `gpus_from_ray_resources`, `planner_options`, `slot_memory_gib`); host memory for snapshots
+  (`snapshot_footprint`, `node_snapshot_footprint`, ...).
 - Errors: `PlanError`, `LayoutError` (parallel/errors.py).
 - The model and its parallelisms (torch): `Transformer`, `build_model`, `init_weights`,
   `cross_entropy_sum`, `canonical_param_name`; `parallelize` (applies every parallelism in
@@ -33,8 +33,8 @@ _MODULES = {
     "config": ("ModelArgs", "MoEArgs", "RopeScalingArgs", "tie_problems"),
     "errors": ("LayoutError", "PlanError"),
     "layout": ("MESH_DIMS", "ParallelLayout", "SCHEDULES", "degree_problems", "layout_for"),
-    "planner": ("Cluster", "PlanOptions", "estimate_layout", "plan_layout", "plan_pinned",
-                "precision"),
+    "planner": ("Cluster", "DEFAULT_MFU", "PlanOptions", "estimate_layout", "plan_layout",
+                "plan_pinned", "precision"),
     "estimate": ("Estimate", "PlanResult", "StepTime"),
     "cost_model": ("Comm", "FP32_ADAMW", "Link", "MIXED_ADAMW", "MemoryLedger", "Network",
                    "StateBytes", "ZERO_NAMES", "all_gather", "all_reduce", "all_to_all",

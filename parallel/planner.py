@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 H100_BF16_PEAK = 989e12     # dense bf16 FLOP/s of one H100 SXM
 MAX_MICRO_BATCH = 8
+# The share of peak a step sustains while computing: eager engines reach about 0.33-0.40 of an
+# H100/H200 (this engine 0.36 on an H200, 0.53 with train.compile); `tenax plan layout --mfu`.
+DEFAULT_MFU = 0.4
 MIN_CP_CHUNK = 1024         # free cp only when each rank keeps >= this many tokens of a sequence
 MAX_VIRTUAL = 4             # interleaved stages tried: 2..4 (more mostly adds p2p)
 FIXABLE = tuple(k for k in ParallelLayout.__dataclass_fields__ if not k.startswith("_"))
@@ -72,7 +75,7 @@ class PlanOptions:
     global_batch_size: int | None = None
     seq_len: int | None = None
     fixed: Mapping[str, Any] = field(default_factory=dict)
-    mfu: float = 0.4
+    mfu: float = DEFAULT_MFU
     margin: float = 0.1
     state: StateBytes = MIXED_ADAMW
     dtype_bytes: float = 2
@@ -266,12 +269,13 @@ def plan_layout(model: ModelArgs, cluster: Cluster,
 
 
 def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size: int, dtype: str,
-                cluster: Cluster, pin_zero: bool = False) -> PlanResult:
+                cluster: Cluster, pin_zero: bool = False, mfu: float = DEFAULT_MFU
+                ) -> PlanResult:
     """plan_layout honoring the spec's `parallel` section (a plain mapping, "auto" = free), its
     global batch and train.dtype (`precision`): every degree that is not "auto" is pinned, and
     so are micro_batch_size, recompute, seq_len and the global batch. The ZeRO stage is free
     only while dp is "auto" (a user who fixes dp has sized the replicas, so their zero stays);
-    the schedule and virtual stages are free only while pp is "auto"."""
+    the schedule and virtual stages are free only while pp is "auto". `mfu`: PlanOptions'."""
     p = parallel
     fixed: dict[str, Any] = {k: p[k] for k in ("dp", "tp", "pp", "cp", "ep") if p[k] != "auto"}
     if p["dp"] != "auto" or pin_zero:  # the controller keeps a running job's zero stage
@@ -280,7 +284,7 @@ def plan_pinned(model: ModelArgs, parallel: Mapping[str, Any], global_batch_size
         fixed.update(pp_schedule=p["pp_schedule"], pp_virtual_stages=p["pp_virtual_stages"])
     fixed["micro_batch_size"] = p["micro_batch_size"]
     return plan_layout(model, cluster, PlanOptions(
-        global_batch_size, model.seq_len, fixed, recompute=p.get("recompute", "auto"),
+        global_batch_size, model.seq_len, fixed, mfu=mfu, recompute=p.get("recompute", "auto"),
         **precision(dtype)))
 
 

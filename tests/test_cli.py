@@ -55,6 +55,26 @@ def test_plan_layout_preset_and_spec(capsys, tmp_path):
     assert doc["layout"]["tp"] == 2 and doc["layout"]["dp"] == 4
 
 
+def test_plan_layout_assumes_the_share_of_peak_it_is_given(capsys, tmp_path):
+    """`--mfu`: the compute part of the step time is the model's FLOPs at that share of peak."""
+    from tenax.parallel import DEFAULT_MFU
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("parallel: {dp: 4, tp: 2, recompute: none}\ntrain: {global_batch_size: 32}\n")
+    argv = ["plan", "layout", "--spec", str(spec), "--gpus", "8", "--gpus-per-node", "8",
+            "--gpu", "h100"]
+    assumed, given = run_json(capsys, *argv), run_json(capsys, *argv, "--mfu", "0.6")
+    assert assumed["hardware"]["mfu_assumed"] == DEFAULT_MFU
+    assert given["hardware"]["mfu_assumed"] == 0.6 and given["layout"] == assumed["layout"]
+    compute = [d["estimate"]["step_time"]["compute_s"] for d in (assumed, given)]
+    assert compute[0] * DEFAULT_MFU == pytest.approx(compute[1] * 0.6, rel=1e-12)
+    assert given["chosen"]["tokens_per_s"] > assumed["chosen"]["tokens_per_s"]
+    for bad, why in (("1.5", "1.5 is not in (0, 1]"), ("0", "0.0 is not in (0, 1]"),
+                     ("lots", "'lots' is not a number")):
+        with pytest.raises(SystemExit) as exited:
+            main([*argv, "--mfu", bad])
+        assert exited.value.code == 2 and f"argument --mfu: {why}" in capsys.readouterr().err
+
 def test_user_errors_exit_2_with_field(capsys, tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("parallel: {tp: 3}\n")

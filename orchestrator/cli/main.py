@@ -104,14 +104,16 @@ def cmd_plan_bubble(args: argparse.Namespace) -> int:
 
 def cmd_plan_layout(args: argparse.Namespace) -> int:
     from tenax.orchestrator.spec import load_spec, plan_for_spec
-    from tenax.parallel import snapshot_footprint
+    from tenax.parallel import DEFAULT_MFU, snapshot_footprint
 
     options, mem_gib = _gpu_options(args)
+    args.mfu = args.mfu or DEFAULT_MFU
     if args.global_batch_size is not None:  # the same as --set train.global_batch_size=N
         args.overrides = [*args.overrides, f"train.global_batch_size={args.global_batch_size}"]
     if args.spec:
         spec = load_spec(args.spec, args.overrides)
-        result = plan_for_spec(spec, args.gpus, args.gpus_per_node, mem_gib, **options)
+        result = plan_for_spec(spec, args.gpus, args.gpus_per_node, mem_gib, mfu=args.mfu,
+                               **options)
     else:
         spec, result = _plan_preset(args, options, mem_gib)
     doc = result.to_dict()
@@ -145,7 +147,8 @@ def _plan_preset(args: argparse.Namespace, options: dict[str, Any],
     return spec, plan_layout(spec.model.args(),
                              Cluster(args.gpus, args.gpus_per_node, mem, **options),
                              PlanOptions(spec.train.global_batch_size, spec.model.seq_len, fixed,
-                                         recompute=spec.parallel.recompute, **dtype))
+                                         mfu=args.mfu, recompute=spec.parallel.recompute,
+                                         **dtype))
 
 
 def _gpu_options(args: argparse.Namespace) -> tuple[dict[str, Any], float | None]:
@@ -192,6 +195,17 @@ def _print_plan(doc: dict[str, Any]) -> None:
 
 
 # ---- parser --------------------------------------------------------------------------------
+def share_of_peak(text: str) -> float:
+    """`--mfu`'s value: a number in (0, 1] (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]: a share of the peak")
+    return value
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="cost model and layout planner").add_subparsers(
         dest="what", required=True)
@@ -229,6 +243,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                        ("--hbm-tbps", "TB/s"), ("--nvlink-gbps", "GB/s per direction"),
                        ("--internode-gbps", "GB/s per GPU")):
         p.add_argument(flag, type=float, default=None, help=f"override the --gpu's {unit}")
+    p.add_argument("--mfu", type=share_of_peak, default=None, metavar="SHARE",
+                   help="share of peak sustained while computing, in (0, 1] (default: the "
+                        "planner's assumption, printed with the plan; compiled blocks reach more)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per step, as --set train.global_batch_size (preset default: "
                         "4 per GPU)")
