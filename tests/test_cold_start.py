@@ -55,6 +55,33 @@ def test_goodput_figures_carry_the_total_once_reached():
     assert total == goodput.cold_start.summary()["first_step"] and total >= 1.0
 
 
+@pytest.mark.parametrize("started_ago, startup", [
+    (2.0, 1.0),  # heard of 2 s late: startup ended 1 s after RUNNING, training took the rest
+    (-5.0, 3.0),  # rank 0's clock runs ahead of the controller's: ended when heard of
+    (100.0, 0.0),  # rank 0's clock runs behind: never before the phase began
+])
+def test_startup_ends_when_rank_zero_started_not_when_the_controller_heard(monkeypatch,
+                                                                            started_ago, startup):
+    """A short job's `started` and all its steps can reach the controller in one poll: goodput
+    must not count those steps as startup (a 20-step service job once reported goodput 0%)."""
+    from tenax.orchestrator.job.facts import Recovery, Rescaling
+    from tenax.orchestrator.job.progress import JobProgress
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    progress = JobProgress("j", Goodput(submitted_at=clock[0]))
+    progress.goodput.begin("startup")
+    clock[0] += 3.0
+    started = time.time() - started_ago
+    records = [{"event": "started", "rank": 0, "step": 0, "time": started}]
+    records += [{"event": "step", "rank": 0, "step": s, "loss": 1.0, "step_s": 0.4,
+                 "time": started + 0.4 * s} for s in (1, 2, 3)]
+    list(progress.absorb(records, None, Rescaling(), Recovery()))
+    got = progress.goodput.summary()
+    assert got["wall_s"] == pytest.approx(3.0)
+    assert got["startup_s"] == pytest.approx(startup, abs=0.05)
+    assert got["productive_s"] == pytest.approx(3.0 - startup, abs=0.05)
+
 def test_process_start_is_between_the_spawn_and_the_answer():
     import subprocess
     import sys

@@ -2,8 +2,9 @@
 
 Wall time is split into phases, measured by the controller as they happen:
 - placement: PLACING (planning, placement groups, actors, forking training processes);
-- startup: from RUNNING until the ranks report `started` (rendezvous, model build,
-  checkpoint load and reshard);
+- startup: from RUNNING until rank 0 started (rendezvous, model build, checkpoint load and
+  reshard), by the time on its `started` record, not when the controller heard of it: a short
+  job's steps may all arrive in the poll that brings it;
 - recovery: RECOVERING and RESCALING (detection to re-plan, planned checkpoint-and-stop);
 - lost: the wall time of steps that were computed and then lost to a failure (they are
   redone from the last committed checkpoint);
@@ -41,10 +42,12 @@ class Goodput:
         self.end()
         self._open = (phase, time.monotonic())
 
-    def end(self) -> None:
+    def end(self, ago_s: float = 0.0) -> None:
+        """Close the open phase now, or `ago_s` seconds ago: the moment a rank's record says it
+        ended, which the controller hears of a poll later (never before the phase opened)."""
         if self._open is not None:
             phase, since = self._open
-            self.phases[phase] += time.monotonic() - since
+            self.phases[phase] += max(0.0, time.monotonic() - since - max(0.0, ago_s))
             self._open = None
 
     def step(self, step_s: float) -> None:

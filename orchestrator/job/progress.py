@@ -133,7 +133,7 @@ class JobProgress:
             if kind == "started" and record["rank"] == 0:
                 yield from self.untold_commits(high=record["step"])  # the attempts before
                 self.commits.low = record["step"]
-                self.goodput.end()  # startup is over: what follows is training
+                self.goodput.end(record_age_s(record))  # what follows is training
                 self.step = max(self.step, record["step"])  # a resumed job starts here
                 if rescale_open and layout is not None:
                     rescale_open = False
@@ -192,10 +192,8 @@ class JobProgress:
         source = memory_source if record.get("source") == "memory" else \
             record.get("source") or "none"
         elapsed = time.monotonic() - failed_at
-        # Until rank 0 started, not until this poll saw it (a heartbeat later): its record's
-        # own time, on the rank's clock (clamped: another host's clock may be skewed).
-        told = time.time() - float(record.get("time", time.time()))
-        seconds = round(elapsed - min(max(told, 0.0), elapsed), 3)
+        # Until rank 0 started, not until this poll saw it (a heartbeat later).
+        seconds = round(elapsed - min(record_age_s(record), elapsed), 3)
         logger.info("job %s: recovered at step %d from %s in %.2fs, %d step(s) lost",
                     self.job_id, resumed, source, seconds, lost)
         fields = {"step": resumed, "layout": layout.degrees(), "world_size": layout.world_size,
@@ -203,6 +201,12 @@ class JobProgress:
         if "time" in record:
             fields["time"] = record["time"]
         return Notice("recovered", fields, closes="recovery")
+
+
+def record_age_s(record: dict[str, Any]) -> float:
+    """How long ago a rank stamped `record`, by its own `time` on the rank's clock (0 without
+    one, or when another host's clock runs ahead of this one's)."""
+    return max(0.0, time.time() - float(record.get("time", time.time())))
 
 
 def relayed(record: dict[str, Any]) -> Notice:
