@@ -265,6 +265,8 @@ def test_run_after_a_passing_preflight_trains_as_without(tmp_path):
     assert {r["name"] for r in pre[0]["rows"]} == {"data", "memory", "progress", "throughput",
                                                     "links", "recovery"}
     assert all(r["verdict"] == "pass" for r in pre[0]["rows"]), pre[0]["rows"]
+    rows = {r["name"]: r for r in pre[0]["rows"]}  # CPU ranks: no GPU figure beside them
+    assert "no planner figure for cpu" in rows["throughput"]["expected"], rows["throughput"]
     # the checkpoint was loaded into another layout, and a snapshot restored from memory
     recovery = next(r for r in pre[0]["rows"] if r["name"] == "recovery")
     assert "storage step 19 loaded into tp2 zero1 (saved from dp2 zero1)" in recovery["detail"]

@@ -1,4 +1,4 @@
-"""The recovery row's columns say only what was checked."""
+"""The recovery and throughput rows' columns say only what was checked."""
 from __future__ import annotations
 
 
@@ -12,3 +12,14 @@ def test_an_unchecked_memory_restore_is_not_in_the_expected_column():
     assert "in-memory snapshot restored" not in skipped.expected
     ran = with_memory(storage, "pass", "in-memory snapshot of step 2 restored after a kill")
     assert ran.expected.endswith("; one in-memory snapshot restored")
+
+
+def test_the_throughput_row_quotes_the_planner_only_for_gpu_ranks():
+    """The planner prices every rank as a GPU: beside CPU ranks its figure means nothing."""
+    from tenax.orchestrator.preflight.rows import throughput_row
+
+    on_gpus = throughput_row({0: 9e4, 1: 1e5}, 2.5e5)
+    assert on_gpus.expected == "planner 2.5e+05 tok/s (job)" and on_gpus.verdict == "pass"
+    on_cpus = throughput_row({0: 9e4, 1: 1e5}, None)
+    assert "planner" not in on_cpus.expected.replace("no planner figure", "")
+    assert on_cpus.expected.endswith("(no planner figure for cpu)")

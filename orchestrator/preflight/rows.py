@@ -141,11 +141,13 @@ def slow_ranks(rank_tokens_per_s: dict[int, float]) -> list[int]:
     return sorted(r for r, v in rank_tokens_per_s.items() if v < SLOW_RANK_SHARE * median)
 
 
-def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: float,
+def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: float | None,
                    nodes: list[str] | None = None) -> Row:
     """Per-rank throughput over the smoke steps; a rank far below the median warns, naming
-    it and (`nodes`: per rank) its node."""
-    expected = f"planner {planner_tokens_per_s:.4g} tok/s (job)"
+    it and (`nodes`: per rank) its node. `planner_tokens_per_s`: the job's, for reference;
+    None on CPU ranks, which the planner prices as GPUs."""
+    expected = (f"planner {planner_tokens_per_s:.4g} tok/s (job)" if planner_tokens_per_s
+                else "each rank vs the median rank (no planner figure for cpu)")
     if not rank_tokens_per_s:
         return Row("throughput", "no step records", expected, "fail", "no rank reported a step")
     ordered = sorted(rank_tokens_per_s.values())

@@ -259,7 +259,8 @@ def _node_rows(spec: Any, watch: Watch, layout: Any, estimate: Any, report: Repo
 
     names = node_names(watch.node_ids, spec.resources.gpus_per_node)
     per_rank = watch.rank_tokens_per_s()
-    report.rows.append(throughput_row(per_rank, estimate.tokens_per_s, names))
+    planned = estimate.tokens_per_s if watch.cuda else None  # the ranks ran on GPUs
+    report.rows.append(throughput_row(per_rank, planned, names))
     row, slow_groups = measure_links(spec, layout, options.chaos, watch.node_ids)
     report.rows.append(row)
     slow = [watch.node_ids[r] for r in slow_ranks(per_rank) if r < len(watch.node_ids)]
