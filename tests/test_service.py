@@ -300,6 +300,7 @@ def test_cli_client_against_the_server(server, tmp_path):
                 (["scale", job_id, "--nodes", "1"], env, "FAILED_PRECONDITION"),
                 (["status", "no-such-job"], env, "NOT_FOUND"),
                 (["status"], {"TENAX_TOKEN": ""}, "UNAUTHENTICATED"),
+                (["status"], {"TENAX_TOKEN": ""}, "with --token or $TENAX_TOKEN"),
                 (["submit", str(spec), "--set", "parallel.tp=3"], env, "parallel.tp")]
     for args, extra, expected in failures:
         done = run_cli([*args, *base], extra)

@@ -33,7 +33,8 @@ def test_an_unreadable_tls_ca_is_a_bad_flag_not_a_traceback(tmp_path, capsys):
 def test_a_positive_timeout_reaches_the_call(capsys):
     """Nothing listens on port 1: the call itself fails (exit 1), the flag was fine."""
     assert main(["status", "--server", "127.0.0.1:1", "--timeout", "2.5"]) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "is `tenax serve` running at that address" in err, err
 
 
 def test_a_ray_tmpdir_too_long_for_rays_sockets_is_passed_over(monkeypatch, tmp_path) -> None:

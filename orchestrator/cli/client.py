@@ -78,11 +78,19 @@ def read_ca(path: str) -> bytes:
         raise ValueError(f"--tls-ca: cannot read {path!r}: {err.strerror or err}") from None
 
 
+# What to try next, for the failures a client (not the server) can fix.
+HINTS = {"UNAVAILABLE": "is `tenax serve` running at that address (--server, $TENAX_SERVER)?",
+         "UNAUTHENTICATED": "pass the server's token with --token or $TENAX_TOKEN",
+         "DEADLINE_EXCEEDED": "no answer within --timeout; a busy server may need a longer one"}
+
+
 def rpc_error_text(server: str, method: str, err: Any) -> str:
-    """One line: server, method, status code name and details (multi-line details joined)."""
+    """One line: server, method, status code name and details (multi-line details joined),
+    and what to try where the client can fix it."""
     code = err.code().name if hasattr(err, "code") and err.code() else "UNKNOWN"
     details = "; ".join(line.strip() for line in (err.details() or "").splitlines() if line.strip())
-    return f"{method} on {server} failed: {code}: {details}"
+    hint = f"; {HINTS[code]}" if code in HINTS else ""
+    return f"{method} on {server} failed: {code}: {details}{hint}"
 
 
 def _client(args: argparse.Namespace) -> Client:
