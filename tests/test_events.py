@@ -71,6 +71,17 @@ def test_a_record_missing_fields_still_reads_as_a_sentence(kind: str) -> None:
     assert SENTENCE.match(human({"event": "brand-new", "x": 1}))
 
 
+def test_placed_says_how_many_of_the_plans_nodes_share_a_ray_node() -> None:
+    """An embedded Ray is one node holding every block: the sentence must not contradict the
+    RUNNING state's "4 ranks on 2 node(s)"."""
+    one_ray_node = {"layout": LAYOUT, "world_size": 4, "nodes": ["a"] * 4, "blocks": 2}
+    assert human({"event": "placed", **one_ray_node}) == (
+        f"Placed 4 ranks ({layout_text(LAYOUT)}) on 1 node as 2 blocks of 2 ranks.")
+    two = {**one_ray_node, "nodes": ["a", "a", "b", "b"]}
+    assert human({"event": "placed", **two}) == \
+        f"Placed 4 ranks ({layout_text(LAYOUT)}) on 2 nodes."
+
+
 def test_done_and_already_complete_say_what_happened() -> None:
     done = human({"event": "done", **EXAMPLES["done"]})
     assert done == ("The job finished at step 200 with loss 5.1000 (1 restart, 2 lost steps, "

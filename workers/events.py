@@ -114,11 +114,15 @@ def _done(f: Mapping[str, Any]) -> str:
 
 
 def _placed(f: Mapping[str, Any]) -> str:
-    nodes = len(set(f.get("nodes") or []))
+    nodes, blocks = len(set(f.get("nodes") or [])), f.get("blocks")
     mode = f.get("mode")
     how = f" ({mode}: {f.get('reused', 0)} reused, {f.get('created', 0)} new)" if mode else ""
+    # One Ray node may hold several of the plan's nodes (an embedded Ray: blocks of
+    # resources.gpus_per_node ranks stand in for nodes); say both, as the plan counts blocks.
+    split = f" as {blocks} blocks of {f['world_size'] // blocks} ranks" \
+        if isinstance(blocks, int) and blocks > 0 and blocks != nodes else ""
     return (f"Placed {f['world_size']} ranks ({layout_text(f.get('layout'))}) on "
-            f"{_plural(nodes, 'node')}{how}")
+            f"{_plural(nodes, 'node')}{split}{how}")
 
 
 def _scaled(f: Mapping[str, Any]) -> str:

@@ -327,7 +327,7 @@ class Controller:
         self.stragglers.reset()  # rank numbers now name other processes
         self.publish("placed", layout=plan.layout.degrees(), world_size=plan.layout.world_size,
                      reason=plan.reason, nodes=[h.node_id for h in self.group.ranks],
-                     ips=[h.ip for h in self.group.ranks], **reuse)
+                     ips=[h.ip for h in self.group.ranks], blocks=plan.nodes, **reuse)
         return JobDecision(JobAction.START, f"started {plan.layout.describe()} "
                            f"({plan.layout.world_size} ranks on {plan.nodes} node(s))")
 
