@@ -146,7 +146,8 @@ def throughput_row(rank_tokens_per_s: dict[int, float], planner_tokens_per_s: fl
     """Per-rank throughput over the smoke steps; a rank far below the median warns, naming
     it and (`nodes`: per rank) its node. `planner_tokens_per_s`: the job's, for reference;
     None on CPU ranks, which the planner prices as GPUs."""
-    expected = (f"planner {planner_tokens_per_s:.4g} tok/s (job)" if planner_tokens_per_s
+    expected = (f"planner {planner_tokens_per_s:.4g} tok/s (job)"
+                if planner_tokens_per_s is not None
                 else "each rank vs the median rank (no planner figure for cpu)")
     if not rank_tokens_per_s:
         return Row("throughput", "no step records", expected, "fail", "no rank reported a step")
